@@ -1,0 +1,37 @@
+"""The `data` section of a run config: where text comes from and how it becomes token batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class DataConfig:
+    """Training data for a drafter."""
+
+    source: str = "stdlib"
+    """`stdlib` (the Python standard library's source, held-out files excluded), a local file or folder
+    (.json/.jsonl chat or text rows, .txt/.py text), or `hf:<dataset name>[:<split>]` on the Hugging Face hub."""
+    format: Literal["auto", "text", "sharegpt", "openai"] = "auto"
+    """Row shape: plain `text`, ShareGPT `conversations` (from/value), OpenAI `messages` (role/content); `auto` detects."""
+    seq_len: int = 512
+    """Tokens per training sequence (packed rows are cut to this length)."""
+    pack: bool = True
+    """Pack several documents into each sequence (no padding); off pads each row to seq_len."""
+    max_rows: int | None = None
+    """Use at most this many source rows (documents / conversations) for training; None uses all."""
+    eval_rows: int = 64
+    """Held-out rows for per-head / per-step accuracy (stdlib: from the held-out files; else the tail of the data)."""
+    strict: bool = False
+    """Malformed rows and over-long sequences are errors instead of being skipped/truncated with a warning count."""
+    num_proc: int = 1
+    """Processes for `datasets.map` tokenisation."""
+
+    def __post_init__(self):
+        if self.seq_len < 8:
+            raise ValueError(f"data.seq_len={self.seq_len}: expected at least 8 tokens")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise ValueError(f"data.max_rows={self.max_rows}: expected a positive count or null")
+        if self.eval_rows < 0:
+            raise ValueError(f"data.eval_rows={self.eval_rows}: expected >= 0")

@@ -1,0 +1,298 @@
+"""The frozen verifier: any Hugging Face causal LM, with the handles drafters train on.
+
+A drafter never owns the verifier; it reads from it:
+  - `embed_tokens`   the token embedding (EAGLE feeds embed(x_{t+1}))
+  - `final_features` the last post-norm hidden state h_t, the input of lm_head (Medusa, EAGLE-1)
+  - `layer_features` the inputs of chosen decoder layers, i.e. HF `hidden_states[i]` (EAGLE-3 takes three)
+  - `lm_head`        the output projection (shared by EAGLE-1, initialises Medusa heads)
+  - `fingerprint`    a short hash that a drafter stores so it is never paired with another verifier
+
+Weights load only from safetensors; `trust_remote_code` is off unless asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+#: Names that resolve to the embedded default verifiers built by `python -m models.tiny build`.
+EMBEDDED_VERIFIERS = {"tiny-code": "default", "tiny-micro": "micro"}
+
+#: Config fields that must agree between a drafter and its verifier (besides the fingerprint).
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size")
+
+
+class VerifierError(ValueError):
+    """A verifier that cannot be loaded or does not fit; the message says what to fix."""
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "auto": None}
+    if dtype not in names:
+        raise VerifierError(f"unknown dtype {dtype!r}; expected one of {sorted(names)}")
+    return names[dtype]
+
+
+def resolve_verifier(name_or_path: str | os.PathLike) -> Path:
+    """Turn a verifier name into a local folder holding config.json and safetensors weights.
+
+    Order: an embedded default name (`tiny-code`, `tiny-micro`; built on first use), an existing local folder,
+    then a Hugging Face hub id (downloaded once; only json, tokenizer and safetensors files are fetched).
+    """
+    name = str(name_or_path)
+    if name in EMBEDDED_VERIFIERS:
+        from models import tiny  # built lazily: most callers never need it
+
+        return Path(tiny.ensure_built(EMBEDDED_VERIFIERS[name]))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        folder = path
+    elif path.exists():
+        raise VerifierError(f"verifier {name!r} is a file; expected a model folder with config.json")
+    elif name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise VerifierError(f"verifier folder {name!r} does not exist")
+    else:
+        folder = _download(name)
+    if not (folder / "config.json").is_file():
+        raise VerifierError(f"verifier folder {str(folder)!r} has no config.json; expected a Hugging Face model folder")
+    if not _safetensors_files(folder):
+        found = sorted(p.name for p in folder.iterdir() if p.suffix in {".bin", ".pt", ".pth", ".ckpt"})
+        hint = f" (found {', '.join(found)})" if found else ""
+        raise VerifierError(
+            f"verifier folder {str(folder)!r} has no .safetensors weights{hint}; draftheads loads weights only from "
+            "safetensors, never pickle. Convert once with `model.save_pretrained(dir, safe_serialization=True)` "
+            "in a trusted environment."
+        )
+    return folder
+
+
+def _download(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"],
+        ))
+    except Exception as err:  # offline, gated, misspelt: all end the same way for the user
+        raise VerifierError(
+            f"verifier {repo_id!r} is not a local folder, and it could not be fetched from the Hugging Face hub "
+            f"({type(err).__name__}: {err}). Pass a local model folder or an embedded name "
+            f"({', '.join(EMBEDDED_VERIFIERS)})."
+        ) from None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def fingerprint_files(folder: Path, config: dict) -> str:
+    """Hash of the checkpoint on disk: config shape fields, every tensor's name/dtype/shape and its first values.
+
+    Computed from the stored bytes, so the same checkpoint loaded in fp32, bf16 or fp16 has one fingerprint.
+    """
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    digest.update(json.dumps({k: config.get(k) for k in ("model_type", *SHAPE_FIELDS)}, sort_keys=True).encode())
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            for key in sorted(f.keys()):
+                sl = f.get_slice(key)
+                shape = sl.get_shape()
+                digest.update(f"{key}|{sl.get_dtype()}|{shape}".encode())
+                head = sl[: min(shape[0], 4)] if shape else f.get_tensor(key)
+                digest.update(head.flatten()[:1024].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def fingerprint_module(model: nn.Module) -> str:
+    """Fingerprint of an in-memory model that was not loaded from a folder (tests, notebooks)."""
+    digest = hashlib.sha256()
+    cfg = model.config.to_dict()
+    digest.update(json.dumps({k: cfg.get(k) for k in ("model_type", *SHAPE_FIELDS)}, sort_keys=True).encode())
+    for key, value in sorted(model.state_dict().items()):
+        digest.update(f"{key}|{tuple(value.shape)}".encode())
+        digest.update(value.detach().float().flatten()[:1024].cpu().numpy().tobytes())
+    return "mem-" + digest.hexdigest()[:12]
+
+
+@dataclass
+class VerifierFeatures:
+    """What one verifier forward gives a drafter."""
+
+    final: torch.Tensor
+    """(B, T, H) last post-norm hidden state, the input of lm_head."""
+    layers: list[torch.Tensor]
+    """(B, T, H) each: the inputs of the requested decoder layers, in the order asked."""
+    logits: torch.Tensor | None = None
+    """(B, T, V) the verifier's logits, when asked for."""
+
+
+class Verifier(nn.Module):
+    """A frozen causal LM. Build with `Verifier.from_pretrained(name_or_path)` or wrap a live model."""
+
+    def __init__(self, model: nn.Module, name: str | None = None, fingerprint: str | None = None,
+                 path: Path | None = None):
+        super().__init__()
+        self.model = model.eval().requires_grad_(False)
+        self.name = name or getattr(model.config, "_name_or_path", "") or model.config.model_type
+        self.path = path
+        self.fingerprint = fingerprint or fingerprint_module(model)
+        decoder = model.get_decoder()
+        if not hasattr(decoder, "layers") or not hasattr(decoder, "norm"):
+            raise VerifierError(
+                f"verifier {self.name!r} ({type(model).__name__}) has no `layers`/`norm` on its decoder; "
+                "draftheads supports Llama-style decoders (Llama, Qwen2, Mistral, ...)"
+            )
+        self.decoder = decoder
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+                        device: str | torch.device | None = None, trust_remote_code: bool = False,
+                        attn_implementation: str | None = None) -> "Verifier":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        folder = resolve_verifier(name_or_path)
+        try:
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        except ValueError as err:
+            raise VerifierError(f"verifier folder {str(folder)!r}: cannot read config.json ({err})") from None
+        kwargs = {"dtype": _dtype(dtype)} if _dtype(dtype) is not None else {}
+        if attn_implementation:
+            kwargs["attn_implementation"] = attn_implementation
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, config=config, use_safetensors=True, trust_remote_code=trust_remote_code, **kwargs)
+        except Exception as err:  # corrupt shard, wrong shapes: say which folder
+            raise VerifierError(f"verifier folder {str(folder)!r} failed to load: {type(err).__name__}: {err}") from None
+        if device is not None:
+            model = model.to(device)
+        with open(folder / "config.json") as f:
+            raw_config = json.load(f)
+        name = str(name_or_path)
+        return cls(model, name=name, fingerprint=fingerprint_files(folder, raw_config), path=folder)
+
+    # ---- handles -------------------------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.decoder.layers)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+    @property
+    def norm(self) -> nn.Module:
+        return self.decoder.norm
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def describe(self) -> dict:
+        """What a drafter stores about its verifier (and checks on load)."""
+        return {"name": self.name, "fingerprint": self.fingerprint,
+                **{k: getattr(self.config, k) for k in SHAPE_FIELDS}}
+
+    def default_eagle3_layers(self) -> list[int]:
+        """vLLM's default EAGLE-3 feature layers: the inputs of layers 2, L//2 and L-3."""
+        n = self.num_layers
+        return [2, n // 2, n - 3]
+
+    def check_layer_ids(self, layer_ids: list[int], key: str = "layer_ids") -> None:
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise VerifierError(
+                f"{key}={list(layer_ids)}: {bad} out of range for verifier {self.name!r} with "
+                f"{self.num_layers} layers; expected ids in 0..{self.num_layers - 1} (HF hidden_states[i], "
+                "the input of layer i)"
+            )
+
+    # ---- forward -------------------------------------------------------------------------------------------------
+    @contextmanager
+    def _capture_layer_inputs(self, layer_ids: list[int]):
+        captured: dict[int, torch.Tensor] = {}
+
+        def hook_for(i):
+            def hook(module, args, kwargs):
+                captured[i] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        handles = [self.layers[i].register_forward_pre_hook(hook_for(i), with_kwargs=True)
+                   for i in sorted(set(layer_ids))]
+        try:
+            yield captured
+        finally:
+            for h in handles:
+                h.remove()
+
+    @torch.no_grad()
+    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 layer_ids: list[int] | tuple[int, ...] = (), return_logits: bool = False,
+                 position_ids: torch.Tensor | None = None) -> VerifierFeatures:
+        """One frozen forward; keeps only the requested layers' inputs (hooks, not `output_hidden_states`)."""
+        layer_ids = list(layer_ids)
+        self.check_layer_ids(layer_ids)
+        with self._capture_layer_inputs(layer_ids) as captured:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False)
+        final = out.last_hidden_state  # (B, T, H), post-norm
+        logits = self.lm_head(final) if return_logits else None
+        return VerifierFeatures(final=final, layers=[captured[i] for i in layer_ids], logits=logits)
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+
+def check_drafter_matches(stored: dict, verifier: Verifier, drafter_path: str | os.PathLike,
+                          check_fingerprint: bool = True) -> None:
+    """Refuse a drafter trained for another verifier; the message names the field that differs."""
+    mine = verifier.describe()
+    for key in SHAPE_FIELDS:
+        if key in stored and stored[key] != mine[key]:
+            raise VerifierError(
+                f"drafter {str(drafter_path)!r} was trained for a verifier with {key}={stored[key]}, but verifier "
+                f"{verifier.name!r} has {key}={mine[key]}"
+            )
+    if check_fingerprint and stored.get("fingerprint") and stored["fingerprint"] != mine["fingerprint"]:
+        raise VerifierError(
+            f"drafter {str(drafter_path)!r} was trained for verifier {stored.get('name')!r} (fingerprint "
+            f"{stored['fingerprint']}), but verifier {verifier.name!r} has fingerprint {mine['fingerprint']}; "
+            "pass the verifier it was trained on (or check_fingerprint=False if you know the weights are the same)"
+        )

@@ -1,0 +1,26 @@
+import os
+
+import pytest
+
+# Tests never reach the hub, and run quietly.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("DRAFTHEADS_QUIET", "1")
+
+from tests.utils import FAMILIES, save_tiny_verifier  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_verifier_dirs(tmp_path_factory):
+    """One random tiny verifier folder per family: {family: path}."""
+    root = tmp_path_factory.mktemp("verifiers")
+    return {family: save_tiny_verifier(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_verifier_dirs):
+    return tiny_verifier_dirs["llama"]

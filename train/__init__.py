@@ -1,0 +1,1 @@
+"""Training: `accelerate launch train/medusa.py` and `accelerate launch train/eagle.py`, plus the pieces they share."""

@@ -1,0 +1,206 @@
+"""Run configs: typed dataclasses, loaded from YAML, overridden on the command line.
+
+    accelerate launch train/medusa.py --config configs/medusa-tiny.yaml --train.max_steps=200 --medusa.num_heads=3
+
+Parsing is jsonargparse's: unknown keys and wrong types are errors that name the key; every field's docstring is
+its `--help` text. Each trainer defines its own root dataclass (a `RunConfig` plus its method section) and calls
+`parse_config`. The resolved config is written to `{output_dir}/config.yaml` and sent to wandb.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import yaml
+
+from data.config import DataConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key and what was expected."""
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop, checkpoints and resume."""
+
+    max_steps: int = 1000
+    """Optimizer steps to run (each step sees batch_size x grad_accum x processes sequences)."""
+    batch_size: int = 8
+    """Sequences per process per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step (through `accelerator.accumulate`)."""
+    lr: float = 1e-3
+    """Peak learning rate of the drafter (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule ends at lr x min_lr_ratio."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables)."""
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    """Autocast precision for the drafter's forward (fp16 needs a GPU)."""
+    save_every: int = 200
+    """Write a resumable `step-NNNNNN/` checkpoint every this many steps (0: only at the end)."""
+    keep_last: int = 2
+    """Keep the newest this many step checkpoints."""
+    resume: str = "auto"
+    """`auto` (continue from the newest complete checkpoint in output_dir, if any), `none`, or a checkpoint path."""
+    seed: int = 0
+    """Seed for weights, data order and noise."""
+    log_every: int = 10
+    """Log train metrics every this many steps (metrics stay on device in between)."""
+    eval_every: int = 0
+    """Held-out evaluation every this many steps (0: only at the end)."""
+    eval_batches: int = 8
+    """Held-out micro-batches per evaluation."""
+    max_bad_steps: int = 10
+    """Stop after this many consecutive steps with a non-finite loss (each is skipped and counted)."""
+    num_workers: int = 0
+    """DataLoader worker processes."""
+
+    def __post_init__(self):
+        for key in ("max_steps", "batch_size", "grad_accum", "keep_last", "log_every", "max_bad_steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}={getattr(self, key)}: expected a positive integer")
+        for key in ("save_every", "eval_every", "warmup_steps", "eval_batches", "num_workers"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(self, key)}: expected >= 0")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr}: expected > 0")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio}: expected a value in [0, 1]")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging (offline automatically when no API key is present)."""
+
+    enabled: bool = True
+    """Log to wandb at all."""
+    project: str | None = None
+    """Project name; default $WANDB_PROJECT, else `draftheads`."""
+    entity: str | None = None
+    """Team or user; default $WANDB_ENTITY or your default entity."""
+    run_name: str | None = None
+    """Run name; default the output folder's name."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """`auto`: online when an API key is configured, else offline."""
+
+
+@dataclass
+class RunConfig:
+    """What every training run has; each trainer adds its method's section."""
+
+    verifier: str = "tiny-code"
+    """The frozen verifier: a hub id, a local model folder, or an embedded name (`tiny-code`, `tiny-micro`)."""
+    output_dir: str = "runs/default"
+    """Run folder: config.yaml, step-NNNNNN/ checkpoints, logs, and the exported drafter in drafter/."""
+    verifier_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype the verifier is loaded in."""
+    trust_remote_code: bool = False
+    """Allow model code from the verifier's repository (off: only transformers' own architectures)."""
+    features: Literal["online", "offline"] = "online"
+    """`online`: run the frozen verifier inside each step; `offline`: read the hidden-state cache."""
+    feature_cache: str | None = None
+    """Folder of the offline hidden-state cache (with features: offline)."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimisation loop."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and held-out data."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Experiment tracking."""
+
+    @property
+    def drafter_dir(self) -> Path:
+        """Where the exported drafter lands."""
+        return Path(self.output_dir) / "drafter"
+
+    def __post_init__(self):
+        if self.features == "offline" and not self.feature_cache:
+            raise ConfigError("features=offline needs feature_cache: the folder written by `python -m data.hidden_states dump`")
+
+
+C = TypeVar("C")
+
+
+def _build_parser(cls: type, prog: str | None):
+    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = ArgumentParser(prog=prog, exit_on_error=False, description=(cls.__doc__ or "").strip())
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML run config (see configs/).")
+    parser.add_class_arguments(cls, nested_key=None)
+    return parser
+
+
+def parse_config(cls: type[C], argv: list[str] | None = None, prog: str | None = None) -> C:
+    """`--config FILE.yaml` then `--section.key=value` overrides, into a `cls` instance (checks run)."""
+    from jsonargparse import ArgumentError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _build_parser(cls, prog)
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        raise SystemExit(0)
+    try:
+        namespace = parser.parse_args(argv)
+        built = parser.instantiate(namespace)
+    except (ArgumentError, ValueError, TypeError) as err:
+        raise ConfigError(_tidy(str(err))) from None
+    values = {f.name: getattr(built, f.name) for f in dataclasses.fields(cls) if f.init}
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(str(err)) from None
+
+
+def _tidy(message: str) -> str:
+    # jsonargparse joins nested reasons with newlines and indentation; one line reads better in a log.
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return " ".join(lines)
+
+
+def config_dict(cfg) -> dict:
+    """A plain dict of a config (tuples as lists) for YAML, JSON and wandb."""
+
+    def plain(value):
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg, folder: str | os.PathLike) -> Path:
+    """Write the resolved config to `folder/config.yaml` (atomically), so a run folder says how it was made."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "config.yaml"
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(config_dict(cfg), sort_keys=False))
+    os.replace(tmp, path)
+    return path
+
+
+def main_guard(fn, cls: type[C], argv: list[str] | None = None):
+    """Run `fn(cfg)` after parsing; a ConfigError prints one line and exits 2, like argparse does."""
+    try:
+        cfg = parse_config(cls, argv, prog=Path(sys.argv[0]).name)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return fn(cfg)
