@@ -1,0 +1,113 @@
+"""Resumable checkpoints: `{output_dir}/step-NNNNNN/`, written atomically, newest `keep_last` kept.
+
+A checkpoint is `accelerator.save_state(...)` (drafter weights as safetensors, optimizer, scheduler, every
+process's RNG state) plus `train_state.json` (step, epoch, batches consumed in the epoch, bad-step count) and a
+`COMPLETE` marker. It is written into `.step-NNNNNN.tmp/` and renamed into place only when every process has
+finished writing, so a crash (even kill -9 mid-write) never leaves a folder that `resume=auto` would pick up.
+Loading goes through accelerate, which reads tensors with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+MARKER = "COMPLETE"
+STATE_FILE = "train_state.json"
+
+
+@dataclass
+class TrainState:
+    """Where a run is: what a checkpoint needs beyond weights, optimizer and RNG."""
+
+    step: int = 0
+    """Optimizer steps taken."""
+    epoch: int = 0
+    """Passes over the training data started (0-based index of the current one)."""
+    consumed: int = 0
+    """Micro-batches this process has consumed in the current epoch."""
+    bad_steps: int = 0
+    """Steps skipped because the loss was not finite (total)."""
+
+
+def step_dir(output_dir: str | os.PathLike, step: int) -> Path:
+    return Path(output_dir) / f"step-{step:06d}"
+
+
+def complete_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Finished checkpoints, oldest first. Folders without the COMPLETE marker are ignored."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and (path / MARKER).is_file() and (path / STATE_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path | None:
+    """`auto` -> newest complete checkpoint or None; `none` -> None; anything else must be a checkpoint folder."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = complete_checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / MARKER).is_file() or not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(
+            f"train.resume={resume!r}: not a complete checkpoint folder (expected {MARKER} and {STATE_FILE} inside)")
+    return path
+
+
+def save_checkpoint(accelerator, output_dir: str | os.PathLike, state: TrainState, keep_last: int) -> Path:
+    """Write step-NNNNNN/ atomically on all processes, then prune old ones. Collective: every process calls it."""
+    final = step_dir(output_dir, state.step)
+    tmp = final.with_name(f".{final.name}.tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash mid-write
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp), safe_serialization=True)
+    accelerator.wait_for_everyone()  # every rank's RNG file is on disk before the rename
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
+        _fsync_tree(tmp)
+        (tmp / MARKER).write_text("ok\n")
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        for old in complete_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> TrainState:
+    """Restore weights, optimizer, scheduler and RNG (through accelerate) and return the loop position."""
+    accelerator.load_state(str(path))
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
