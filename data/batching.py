@@ -1,0 +1,206 @@
+"""Fixed-length token rows for the trainers: tokenise the source rows (`Dataset.map`), then pack or pad.
+
+    train, heldout = build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)
+    loader = DataLoader(train, batch_size=8, shuffle=True, collate_fn=collate)
+
+Each row has `input_ids`, `attention_mask`, `loss_mask`, all of length `cfg.seq_len`; the datasets come back with
+`.with_format("torch")` (each row's columns are int64 tensors of shape (T,)), and `collate` stacks them into
+(B, T) LongTensors.
+
+- `loss_mask[t] = 1` when token t is a training target: every token of a text row (its EOS too), and only the
+  assistant turns (content + end-of-turn token) of a chat row. A trainer predicting token t+k from position t
+  weights that prediction by `loss_mask[t + k]`. Padding is 0 in `attention_mask` and `loss_mask`.
+- Every text document ends in EOS (a target: the model learns where files end).
+- Packing (`data.pack`, the default) also appends EOS to each conversation (not a target: the template has
+  already ended the turn; it only separates documents), concatenates them in the seed's order and cuts the
+  stream into `seq_len` rows; only the last row is padded. Documents may attend across the EOS boundary, as in
+  most pretraining code.
+- Padding (`data.pack=false`) keeps one document per row, right-padded; longer ones are truncated and counted
+  (a `DataWarning`), or raise with `data.strict`. Rows whose targets were all cut off are dropped.
+
+Caching: every `map`/`shuffle`/`select` here runs with `keep_in_memory=True`, so building datasets writes nothing
+to disk (in particular nothing into ~/.cache/huggingface/datasets); only `hf:` sources use the usual HF download
+cache. Tokenising is quick (about 0.5M tokens/s per process on a busy CPU core here), so a cache would save little.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import torch
+
+from data.chat import resolve_chat_template, tokenize_chats
+from data.config import DataConfig, DataError, DataWarning
+from data.progress import datasets_progress
+from data.sources import RowError, SkipCounter, train_and_heldout
+
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+
+_TOKEN_FEATURES = datasets.Features({
+    "input_ids": datasets.List(datasets.Value("int32")),
+    "loss_mask": datasets.List(datasets.Value("int8")),
+    "origin": datasets.Value("string"),
+    "_kind": datasets.Value("string"),
+    "_error": datasets.Value("string"),
+})
+
+
+def pad_id_of(tokenizer) -> int:
+    """The id used for padding: pad, else EOS, else 0 (padding is masked out either way)."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
+
+
+def _tokenize_batch(batch: dict[str, list], tokenizer, template: str | None, pack: bool) -> dict[str, list]:
+    if "messages" in batch:
+        results = tokenize_chats(batch["messages"], tokenizer, template)
+        eos_loss = 0
+        eos = tokenizer.eos_token_id if pack else None  # a separator only; the template already ended the turn
+    else:  # the tokenizer's own special tokens (BOS for Llama-style tokenizers), every token a target
+        results = [(ids, [1] * len(ids)) for ids in tokenizer(batch["text"])["input_ids"]]
+        eos_loss = 1
+        eos = tokenizer.eos_token_id
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "origin": batch["origin"], "_kind": [], "_error": []}
+    for result in results:
+        if isinstance(result, RowError):
+            ids, mask, kind, error = [], [], result.kind, str(result)
+        else:
+            (ids, mask), kind, error = result, "", ""
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids, mask = [*ids, eos], [*mask, eos_loss]
+        out["input_ids"].append(ids)
+        out["loss_mask"].append(mask)
+        out["_kind"].append(kind)
+        out["_error"].append(error)
+    return out
+
+
+def tokenize_rows(rows: datasets.Dataset, tokenizer, template: str | None, label: str, strict: bool = False,
+                  num_proc: int = 1, pack: bool = True) -> datasets.Dataset:
+    """Source rows -> variable-length `input_ids`, `loss_mask` (+ `origin`); unusable rows skipped and counted.
+
+    Text rows end in EOS (a target); chat rows get an EOS separator (not a target) only when packing.
+    """
+    tokens = rows.map(_tokenize_batch, batched=True,
+                      fn_kwargs={"tokenizer": tokenizer, "template": template, "pack": pack},
+                      remove_columns=rows.column_names, features=_TOKEN_FEATURES, keep_in_memory=True,
+                      num_proc=num_proc if num_proc > 1 else None, desc=f"tokenising {label}")
+    kinds = tokens["_kind"]
+    bad = [i for i, kind in enumerate(kinds) if kind]
+    if bad:
+        skips = SkipCounter(label, strict, what="unusable conversations")
+        failed = tokens.select(bad)
+        for kind, error, origin in zip(failed["_kind"], failed["_error"], failed["origin"]):
+            skips.skip(origin, RowError(kind, error))
+        if len(bad) == len(kinds):
+            raise DataError(f"{label}: no usable rows after tokenising: {skips.summary()}")
+        skips.warn(len(kinds))
+        tokens = tokens.select([i for i, kind in enumerate(kinds) if not kind], keep_in_memory=True)
+        tokens = tokens.flatten_indices(keep_in_memory=True)  # _ragged reads the Arrow table directly
+    return tokens.remove_columns(["_kind", "_error"])
+
+
+def _ragged(ds: datasets.Dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """A list column as (flat values, row offsets) without Python lists: row i is values[offsets[i]:offsets[i+1]]."""
+    assert ds._indices is None, "flatten_indices() first: the Arrow table is not in the dataset's row order"
+    array = ds.data.table.column(column).combine_chunks()
+    offsets = array.offsets.to_numpy()
+    return array.flatten().to_numpy(zero_copy_only=False), offsets - offsets[0]
+
+
+def _fixed_rows(input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> datasets.Dataset:
+    """(R, T) arrays -> a Dataset of fixed-size list columns."""
+    seq_len = input_ids.shape[1]
+    columns = {name: pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), seq_len)
+               for name, array in (("input_ids", input_ids.astype(np.int32)),
+                                   ("attention_mask", attention_mask.astype(np.int8)),
+                                   ("loss_mask", loss_mask.astype(np.int8)))}
+    return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
+
+
+def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int) -> datasets.Dataset:
+    """Concatenate all documents (each already ends in EOS) and cut into rows of seq_len; pad only the last."""
+    ids, _ = _ragged(tokens, "input_ids")
+    mask, _ = _ragged(tokens, "loss_mask")
+    n = len(ids)
+    rows = -(-n // seq_len)
+    pad = rows * seq_len - n
+    ids = np.concatenate([ids, np.full(pad, pad_id, dtype=ids.dtype)]).reshape(rows, seq_len)  # (R, T)
+    attn = np.concatenate([np.ones(n, np.int8), np.zeros(pad, np.int8)]).reshape(rows, seq_len)
+    mask = np.concatenate([mask, np.zeros(pad, mask.dtype)]).reshape(rows, seq_len)
+    return _fixed_rows(ids, attn, mask)
+
+
+def pad(tokens: datasets.Dataset, seq_len: int, pad_id: int, label: str, strict: bool = False) -> datasets.Dataset:
+    """One document per row, right-padded to seq_len; longer ones truncated and counted (or an error if strict)."""
+    ids, offsets = _ragged(tokens, "input_ids")
+    mask, _ = _ragged(tokens, "loss_mask")
+    lengths = np.diff(offsets)
+    over = np.flatnonzero(lengths > seq_len)
+    if strict and len(over):
+        i = int(over[0])
+        raise DataError(f"{tokens[i]['origin']}: {lengths[i]} tokens, longer than data.seq_len={seq_len}; raise "
+                        "data.seq_len, or set data.strict=false to truncate (counted), or data.pack=true")
+    rows = len(lengths)
+    out_ids = np.full((rows, seq_len), pad_id, dtype=np.int32)  # (R, T)
+    out_attn = np.zeros((rows, seq_len), dtype=np.int8)
+    out_mask = np.zeros((rows, seq_len), dtype=np.int8)
+    for r in range(rows):
+        start, length = offsets[r], min(int(lengths[r]), seq_len)
+        out_ids[r, :length] = ids[start: start + length]
+        out_attn[r, :length] = 1
+        out_mask[r, :length] = mask[start: start + length]
+    keep = out_mask.any(axis=1)
+    dropped = rows - int(keep.sum())
+    if len(over) or dropped:
+        first = tokens[int(over[0])]["origin"] if len(over) else ""
+        gone = f"; dropped {dropped} left with no target token" if dropped else ""
+        warnings.warn(f"{label}: truncated {len(over)} of {rows} rows longer than data.seq_len={seq_len} "
+                      f"(first: {first}){gone}; raise data.seq_len, set data.pack=true, or data.strict=true to "
+                      "make this an error", DataWarning, stacklevel=3)
+    if not keep.any():
+        raise DataError(f"{label}: no row has a target token within data.seq_len={seq_len}; raise data.seq_len")
+    return _fixed_rows(out_ids[keep], out_attn[keep], out_mask[keep])
+
+
+def to_token_rows(rows: datasets.Dataset, tokenizer, cfg: DataConfig, template: str | None,
+                  label: str) -> datasets.Dataset:
+    """Source rows -> fixed-length rows (`input_ids`, `attention_mask`, `loss_mask`) by cfg.pack."""
+    if len(rows) == 0:
+        empty = np.zeros((0, cfg.seq_len), dtype=np.int32)
+        return _fixed_rows(empty, empty, empty)
+    tokens = tokenize_rows(rows, tokenizer, template, label, cfg.strict, cfg.num_proc, cfg.pack)
+    if cfg.pack:
+        if tokenizer.eos_token_id is None:
+            raise DataError("data.pack=true separates documents with EOS, but the tokenizer has no eos_token; "
+                            "set data.pack=false or give the tokenizer an eos_token")
+        return pack(tokens, cfg.seq_len, pad_id_of(tokenizer))
+    return pad(tokens, cfg.seq_len, pad_id_of(tokenizer), label, cfg.strict)
+
+
+def build_datasets(cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, held-out) fixed-length token rows in torch format; deterministic for a seed (see the module doc).
+
+    The held-out set may be empty (data.eval_rows=0). Raises DataError for a missing file, no usable rows,
+    a chat source with a tokenizer without chat template (names data.chat_template), and strict-mode problems.
+    """
+    with datasets_progress():
+        train_rows, heldout_rows = train_and_heldout(cfg, seed)
+        template = None
+        if "messages" in train_rows.column_names:
+            template = resolve_chat_template(tokenizer, cfg.chat_template, where=f"data.source={cfg.source!r}")
+        train = to_token_rows(train_rows, tokenizer, cfg, template, f"{cfg.source} (train)")
+        heldout = to_token_rows(heldout_rows, tokenizer, cfg, template, f"{cfg.source} (held-out)")
+    return train.with_format("torch"), heldout.with_format("torch")
+
+
+def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Rows (tensors or lists of length T) -> {input_ids, attention_mask, loss_mask}: (B, T) LongTensors."""
+    if not rows:
+        raise ValueError("collate: empty batch")
+    return {key: torch.stack([torch.as_tensor(row[key]) for row in rows]).long() for key in BATCH_KEYS}
