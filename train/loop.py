@@ -25,6 +25,7 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from data.progress import quiet
 from train.checkpoint import (TrainState, complete_checkpoints, load_checkpoint, resolve_resume, save_checkpoint,
                               step_dir)
 from train.config import ConfigError, RunConfig, config_dict, save_config
@@ -32,10 +33,6 @@ from train.config import ConfigError, RunConfig, config_dict, save_config
 
 class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss; the last good checkpoint is intact."""
-
-
-def quiet() -> bool:
-    return os.environ.get("DRAFTHEADS_QUIET", "") not in ("", "0")
 
 
 # ---- accelerator, verifier, data -------------------------------------------------------------------------------
@@ -149,7 +146,7 @@ def make_dataloaders(train_ds, eval_ds, cfg: RunConfig, collate: Callable) -> tu
 
 def get_dataloaders(cfg: RunConfig, tokenizer) -> tuple[DataLoader, DataLoader]:
     """Tokenised train / held-out loaders for a run (a test can call `make_dataloaders` with its own data)."""
-    from data import build_datasets, collate
+    from data.batching import build_datasets, collate
 
     train_ds, eval_ds = build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)
     return make_dataloaders(train_ds, eval_ds, cfg, collate)
