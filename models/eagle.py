@@ -170,14 +170,24 @@ class EagleConfig:
         for key in ("feature_weight", "token_weight"):
             if getattr(self, key) < 0:
                 raise EagleError(f"eagle.{key}={getattr(self, key)}: expected >= 0")
-        if self.noise is None:
-            self.noise = 0.2 if self.version == 1 else 0.0
-        if self.noise < 0:
+        # None-valued defaults are resolved where used, not here: config parsers build the default section first
+        # and then set fields one by one, so a value fixed now would outlive a later `version` override.
+        if self.noise is not None and self.noise < 0:
             raise EagleError(f"eagle.noise={self.noise}: expected >= 0")
-        if self.fc_bias is None:
-            self.fc_bias = self.version == 1
         if self.version == 3 and self.fc_bias:
             raise EagleError("eagle.fc_bias=true: EAGLE-3 engines (vLLM, SGLang) build fc without a bias; use false")
+
+    @property
+    def input_noise(self) -> float:
+        """The noise width in effect: `noise`, or 0.2 for EAGLE-1 / 0 for EAGLE-3 when unset."""
+        if self.noise is not None:
+            return self.noise
+        return 0.2 if self.version == 1 else 0.0
+
+    @property
+    def use_fc_bias(self) -> bool:
+        """Whether fc has a bias: `fc_bias`, or true for EAGLE-1 / false for EAGLE-3 when unset."""
+        return self.version == 1 if self.fc_bias is None else self.fc_bias
 
 
 # ---- draft vocabulary (pure) -------------------------------------------------------------------------------------
@@ -342,12 +352,14 @@ def _layer_config(verifier_config):
     return cfg
 
 
-class _Shared:
-    """The verifier's frozen embedding and lm_head, held by reference: not the drafter's parameters or state."""
+class _Held:
+    """Modules the drafter uses but does not own: not its parameters or state, untouched by `.to(dtype)`.
 
-    def __init__(self, embed_tokens: nn.Embedding, lm_head: nn.Linear):
-        self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
+    embed_tokens and lm_head are the verifier's (frozen, shared); rotary_emb keeps its inverse frequencies in fp32.
+    """
+
+    def __init__(self, **modules: nn.Module):
+        self.__dict__.update(modules)
 
 
 class EagleDrafter(nn.Module):
@@ -364,7 +376,6 @@ class EagleDrafter(nn.Module):
         self.cfg = cfg
         self.model_type = model_type
         self.layer_config = _layer_config(verifier.config)
-        self._shared = _Shared(verifier.embed_tokens, verifier.lm_head)
         self.verifier_vocab_size = verifier.vocab_size
         H = verifier.hidden_size
         self.hidden_size = H
@@ -385,8 +396,9 @@ class EagleDrafter(nn.Module):
         else:
             layer.hidden_norm = norm_cls(H, eps=eps)
         self.layers = nn.ModuleList([layer])
-        self.fc = nn.Linear((2 if self.version == 1 else 3) * H, H, bias=cfg.fc_bias)
-        self.rotary_emb = rope_cls(self.layer_config)  # buffers only, not persistent
+        self.fc = nn.Linear((2 if self.version == 1 else 3) * H, H, bias=cfg.use_fc_bias)
+        self._held = _Held(embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head,
+                           rotary_emb=rope_cls(self.layer_config))
 
     # ---- handles -------------------------------------------------------------------------------------------------
     @property
@@ -408,7 +420,7 @@ class EagleDrafter(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # frozen, shared with the verifier
-            return self._shared.embed_tokens(input_ids).to(self.dtype)
+            return self._held.embed_tokens(input_ids).to(self.dtype)
 
     # ---- the layer -----------------------------------------------------------------------------------------------
     def _layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,7 +434,10 @@ class EagleDrafter(nn.Module):
         q = attn.q_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
-        cos, sin = self.rotary_emb(v, position_ids)  # (B, N, d)
+        rope = self._held.rotary_emb
+        if rope.inv_freq.device != x.device:
+            rope.to(x.device)  # moved, never cast: angles in fp32, cos/sin returned in v's dtype
+        cos, sin = rope(v, position_ids)  # (B, N, d)
         q, k = self._apply_rope(q, k, cos, sin)
         return q, k, v
 
@@ -487,7 +502,7 @@ class EagleDrafter(nn.Module):
         if features.logits is not None:
             return features.logits
         with torch.no_grad():
-            return self._shared.lm_head(features.final)
+            return self._held.lm_head(features.final)
 
     def _default_positions(self, input_ids, position_ids):
         if position_ids is None:
@@ -564,7 +579,7 @@ class Eagle1Drafter(EagleDrafter):
         return x, x
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
-        lm_head = self._shared.lm_head
+        lm_head = self._held.lm_head
         return lm_head(out_hidden.to(lm_head.weight.dtype))  # (B, N, V), no extra norm
 
     def project_features(self, layer_feats) -> torch.Tensor:
@@ -580,8 +595,8 @@ class Eagle1Drafter(EagleDrafter):
             raise EagleError(f"EAGLE-1 needs sequences of at least 3 tokens; got {T}")
         final = features.final  # (B, T, H)
         hidden = final.to(self.dtype)
-        if self.training and self.cfg.noise > 0:
-            hidden = add_uniform_noise(hidden, self.cfg.noise)
+        if self.training and self.cfg.input_noise > 0:
+            hidden = add_uniform_noise(hidden, self.cfg.input_noise)
         ids_in = F.pad(input_ids[:, 1:], (0, 1))  # x_{t+1} at position t
         out, _ = self(ids_in, hidden, self._default_positions(input_ids, position_ids))
         n = T - 2  # positions t = 0..T-3 predict x_{t+2}, which exists
@@ -599,7 +614,7 @@ class Eagle1Drafter(EagleDrafter):
 
     def hf_config(self, engine: str = "vllm") -> dict:
         return {"architectures": ["LlamaForCausalLMEagle" if engine == "sglang" else "LlamaForCausalLM"],
-                **super().hf_config(engine), "bias": bool(self.cfg.fc_bias or engine == "sglang")}
+                **super().hf_config(engine), "bias": self.cfg.use_fc_bias or engine == "sglang"}
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -695,8 +710,8 @@ class Eagle3Drafter(EagleDrafter):
             raise EagleError(f"EAGLE-3 needs the verifier features of layers {self.layer_ids}; got "
                              f"{len(features.layers)} layer tensors (request layer_ids=drafter.feature_layers)")
         feats = torch.cat(features.layers, dim=-1).to(self.dtype)  # (B, T, 3H)
-        if self.training and self.cfg.noise > 0:
-            feats = add_uniform_noise(feats, self.cfg.noise)
+        if self.training and self.cfg.input_noise > 0:
+            feats = add_uniform_noise(feats, self.cfg.input_noise)
         outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids)
         with torch.no_grad():
             probs, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)

@@ -8,7 +8,7 @@ import torch
 
 from models.eagle import (EagleConfig, EagleError, EagleTrainModule, Eagle1Drafter, Eagle3Drafter, StepCounts,
                           build_drafter, count_tokens, draft_targets, draft_to_target, eagle1_loss,
-                          select_draft_vocab, soft_cross_entropy, step_counts, target_to_draft, ttt_attention_mask)
+                          select_draft_vocab, step_counts, target_to_draft, ttt_attention_mask)
 from models.verifier import Verifier, VerifierError
 from tests.utils import FAMILIES
 
@@ -258,7 +258,7 @@ def test_noise_only_in_training(verifiers):
     drafter = make(verifier, 1)
     ids, feats = batch(verifier, drafter)
     mask = torch.ones_like(ids)
-    assert drafter.cfg.noise == 0.2
+    assert drafter.cfg.input_noise == 0.2
     a, b = drafter.training_loss(ids, feats, mask).loss, drafter.training_loss(ids, feats, mask).loss
     assert torch.equal(a, b)
     drafter.train()
@@ -363,8 +363,9 @@ def test_a_few_steps_reduce_the_loss_and_leave_the_verifier_alone(verifiers, ver
 
 # ---- config and families ---------------------------------------------------------------------------------------
 def test_config_defaults_and_errors():
-    assert EagleConfig(version=1).fc_bias is True and EagleConfig(version=1).noise == 0.2
-    assert EagleConfig(version=3).fc_bias is False and EagleConfig(version=3).noise == 0.0
+    assert EagleConfig(version=1).use_fc_bias is True and EagleConfig(version=1).input_noise == 0.2
+    assert EagleConfig(version=3).use_fc_bias is False and EagleConfig(version=3).input_noise == 0.0
+    assert EagleConfig(version=1, fc_bias=False, noise=0.0).use_fc_bias is False
     with pytest.raises(EagleError, match="fc_bias"):
         EagleConfig(version=3, fc_bias=True)
     with pytest.raises(EagleError, match="exactly three"):
@@ -405,3 +406,32 @@ def test_layer_follows_the_family(verifiers, family):
     e1 = make(verifiers[family], 1)
     assert not hasattr(e1.layer, "input_layernorm") and isinstance(e1, Eagle1Drafter)
     assert isinstance(drafter, Eagle3Drafter)
+
+
+def test_bf16_drafter_keeps_fp32_rope(verifiers):
+    verifier = verifiers["llama"]
+    drafter = make(verifier, 3)
+    half = make(verifier, 3).to(torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half._held.rotary_emb.inv_freq.dtype == torch.float32
+    ids, feats = batch(verifier, drafter)
+    pos = torch.arange(400, 400 + T).expand(2, T)  # large positions: bf16 angles would be visibly off
+    with torch.no_grad():
+        a = drafter.logits(drafter(ids, step0_hidden(drafter, feats), pos)[0])
+        b = half.logits(half(ids, step0_hidden(half, feats), pos)[0]).float()
+    assert (a.softmax(-1) - b.softmax(-1)).abs().max() < 0.05
+
+
+def test_version_override_from_the_command_line_resolves_its_own_defaults():
+    """The parser builds the default (EAGLE-3) section first; --eagle.version=1 must still get EAGLE-1 defaults."""
+    from dataclasses import dataclass, field
+
+    from train.config import RunConfig, parse_config
+
+    @dataclass
+    class EagleRun(RunConfig):
+        eagle: EagleConfig = field(default_factory=EagleConfig)
+
+    cfg = parse_config(EagleRun, ["--eagle.version=1"]).eagle
+    assert cfg.version == 1 and cfg.use_fc_bias and cfg.input_noise == 0.2
+    cfg = parse_config(EagleRun, ["--eagle.layer_ids=[1,2,3]", "--eagle.ttt_steps=3"]).eagle
+    assert cfg.layer_ids == [1, 2, 3] and not cfg.use_fc_bias and cfg.input_noise == 0.0

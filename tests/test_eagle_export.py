@@ -62,7 +62,7 @@ def test_eagle1_export_matches_spec(tmp_path, verifiers):
     assert config["tie_word_embeddings"] is False and config["rope_theta"] == 10000.0
     meta = config["draftheads"]
     assert meta["method"] == "eagle1" and meta["layer_ids"] == [] and meta["training"] == {"steps": 3}
-    assert meta["verifier"] == verifier.describe() and meta["eagle"]["fc_bias"] is True
+    assert meta["verifier"] == verifier.describe() and meta["eagle"]["fc_bias"] is None and meta["eagle"]["version"] == 1
     no_bias = export_eagle(make(verifier, 1, fc_bias=False), tmp_path / "e1nb", verifier)
     assert "fc.bias" not in read(no_bias)[1] and read(no_bias)[0]["bias"] is False
 
