@@ -13,7 +13,8 @@ EAGLE-1 (Li et al. 2024; SafeAILab/EAGLE `eagle/train/main.py`, `cnets1.py`)
   there is no final norm: f'_t is fed straight to the verifier's lm_head. f'_t regresses f_{t+1}, and
   lm_head(f'_t) predicts x_{t+2}:
       loss = feature_weight * SmoothL1(f'_t, f_{t+1}) + token_weight * CE(softmax(q_{t+1}), log_softmax(lm_head(f'_t)))
-  averaged over positions with loss_mask[t+2] = 1 (SmoothL1 averaged over H first, as the EAGLE repo does).
+  averaged over positions with loss_mask[t+2] = 1 (SmoothL1 averaged over H first, as the EAGLE repo does; that repo
+  leaves the mask unshifted, scoring x_{t+2} with loss_mask[t]).
   Optional noise: f_t + (U(0,1) - 0.5) * noise on the *input* features only (the EAGLE repo uses 0.2 * 512/T).
 
 EAGLE-3 (Li et al. 2025; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, sgl-project/SpecForge
