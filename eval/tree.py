@@ -125,8 +125,8 @@ class Tree:
         key = torch.where(is_child, idx[None, None, :], N1 + idx[None, None, :])
         order = key.sort(-1).values[..., :max_children]  # (B, N+1, K)
         children = torch.where(order < N1, order, torch.full_like(order, -1))
-        # A path from the root through all N+1 nodes with parents[i] < i can only be 0, 1, ..., N.
-        is_chain = max_depth == N1 - 1
+        # At most one child per node, all nodes hanging from the root, parents[i] < i: the chain 0 -> 1 -> ... -> N.
+        is_chain = max_children == 1
         return cls(parents=parents, depth=depth, ancestors=ancestors, children=children, max_depth=max_depth,
                    is_chain=is_chain)
 
