@@ -308,6 +308,25 @@ class SpeculativeDecoder:
             logits=out.logits.gather(1, path[..., None].expand(-1, -1, out.logits.shape[-1]))
             if d.wants_logits else None)
 
+    def begin(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> DecodeState:
+        """A new batch: token buffer and KV cache for these prompts, the verifier's prefill, the drafter's start."""
+        state = self._new_state(prompts, max_new_tokens)
+        committed = self.prefill(state)
+        self.drafter.start(state, sampling)
+        self.drafter.observe(state, committed)
+        return state
+
+    def step(self, state: DecodeState, sampling: Sampling) -> tuple[Draft, Acceptance, Committed]:
+        """One decode step without timing or host bookkeeping (for tests and notebooks; `generate` runs the same
+        pieces). Refreshes `state.lengths_host` (a host sync)."""
+        draft = self.draft(state, sampling)
+        out = self.verify(state, draft)
+        acc = self.accept(draft, out, sampling)
+        committed = self.commit(state, draft, acc, out)
+        self.drafter.observe(state, committed)
+        state.lengths_host = state.lengths.tolist()
+        return draft, acc, committed
+
     # ---- generate ------------------------------------------------------------------------------------------------
     def _tick(self) -> float:
         if self.sync_timings and self.device.type == "cuda":
@@ -350,8 +369,7 @@ class SpeculativeDecoder:
         stats.time_prefill_s = t - t_start
         drafter.start(state, sampling)
         drafter.observe(state, committed)
-        t_prev, t = t, self._tick()
-        stats.time_draft_s += t - t_prev
+        stats.time_draft_s += self._tick() - t
 
         active = [True] * B
         while any(active):
