@@ -118,10 +118,13 @@ def _ngram(verifier, draft, device, dtype, num_draft_tokens: int = 4, max_ngram:
     return NgramDrafter(num_draft_tokens, max_ngram, min_ngram)
 
 
-def _draft_model(verifier, draft, device, dtype, num_draft_tokens: int = 4, branching=None,
+def _draft_model(verifier, draft, device, dtype, num_draft_tokens: int | None = None, branching=None,
                  tree_sampling: str = "sample"):
     if draft is None:
         raise ValueError("method 'draft-model' needs draft=<a small causal LM folder/name, Verifier or module>")
+    if num_draft_tokens is not None and branching is not None:
+        raise ValueError("method 'draft-model': give num_draft_tokens (a chain) or branching (a tree), not both")
+    num_draft_tokens = 4 if num_draft_tokens is None else num_draft_tokens
     model = load_causal_lm(draft, device=device or verifier.device, dtype=dtype or verifier.dtype)
     return DraftModelDrafter(model, verifier.vocab_size, num_draft_tokens, branching, tree_sampling)
 
@@ -253,7 +256,13 @@ class SpeculativeDecoder:
         tokens = state.tokens[:, :M]
         committed = Committed(tokens=tokens, next_tokens=state.tokens[:, 1: M + 1], count=state.lengths.clone(),
                               start=torch.zeros(B, dtype=torch.long, device=dev), prefill=True)
-        if M == 0:
+        if M == 0:  # one-token prompts only: nothing to run, empty features of the usual shapes
+            H, V = self.verifier.hidden_size, self.verifier.vocab_size
+            empty = torch.zeros(B, 0, H, dtype=self.runner.dtype, device=dev)
+            committed.final = empty if self.drafter.wants_final else None
+            committed.layers = {i: empty for i in self.drafter.layer_ids}
+            committed.logits = torch.zeros(B, 0, V, dtype=self.runner.dtype, device=dev) \
+                if self.drafter.wants_logits else None
             return committed
         pos = torch.arange(M, device=dev).expand(B, M)
         mask = causal_mask(M, self._window(state, 0), dev).expand(B, -1, -1)

@@ -30,6 +30,10 @@ inputs of the decoder layers the drafter listed in `layer_ids`, logits), and the
 with its own KV cache rolls it back here: everything it wrote for rejected nodes is simply not counted
 (lengths), and accepted tree nodes are compacted to consecutive slots (`StaticKVCache.compact`).
 
+Rows whose prompt is a single token have no committed token before the first step (count 0, empty features):
+a drafter that drafts from verifier features proposes anything it likes there (say, the root repeated);
+acceptance stays lossless whatever is proposed, only that step's acceptance is poor.
+
 How Medusa and EAGLE plug in:
   - Medusa (wants_final): observe keeps `final` at the last committed token of each row
     (`committed.last(committed.final)`); propose runs the heads on it and expands the static tree

@@ -195,3 +195,56 @@ def test_errors(family_setup):
         dec.generate([[1, 999]], 4)
     with pytest.raises(ValueError, match="temperature"):
         dec.generate([[1, 2]], 4, temperature=-1.0)
+
+
+# ---- what drafters are told --------------------------------------------------------------------------------------
+class RecordingDrafter(Drafter):
+    """Wraps a drafter, asks for every verifier output, and keeps a copy of each Committed it is shown."""
+
+    def __init__(self, inner: Drafter, layer_ids=(0, 2)):
+        self.inner, self.records = inner, []
+        self.num_draft_tokens, self.max_depth = inner.num_draft_tokens, inner.max_depth
+        self.layer_ids, self.wants_final, self.wants_logits = tuple(layer_ids), True, True
+
+    def start(self, state, sampling):
+        self.inner.start(state, sampling)
+
+    def observe(self, state, committed):
+        self.records.append({k: (v.clone() if torch.is_tensor(v) else
+                                 {i: h.clone() for i, h in v.items()} if isinstance(v, dict) else v)
+                             for k, v in vars(committed).items()})
+        self.inner.observe(state, committed)
+
+    def propose(self, state, sampling):
+        return self.inner.propose(state, sampling)
+
+
+def test_committed_carries_the_verifiers_outputs(family_setup):
+    """Prefill and every step: the committed tokens, the token after each, and the verifier's post-norm hidden
+    states, layer inputs and logits at those positions, as a fresh HF forward over the final text gives them."""
+    model, verifier, _ = family_setup("llama")
+    inner = make_drafter("draft-model", verifier, noisy_copy(model, 0.1), branching=[2, 2, 1])
+    rec = RecordingDrafter(inner)
+    dec = SpeculativeDecoder(verifier, rec)
+    prompts = PROMPTS[3]
+    out = dec.generate(prompts, 12, eos_token_id=None)
+    assert any(a > 0 for row in out.stats.accepted for a in row)
+    for b, prompt in enumerate(prompts):
+        # The last step may commit a few tokens past max_new_tokens: compare against a longer greedy text.
+        seq = prompt + hf_greedy(model, prompt, 12 + 6)
+        assert seq[: len(prompt) + 12] == prompt + out.output_ids[b]
+        with torch.no_grad():
+            hf = model(torch.tensor([seq]), output_hidden_states=True)
+        final, layers, logits = hf.hidden_states[-1][0], hf.hidden_states, hf.logits[0]
+        covered = []
+        for r in rec.records:
+            n, s = int(r["count"][b]), int(r["start"][b])
+            covered += list(range(s, s + n))
+            assert r["tokens"][b, :n].tolist() == seq[s: s + n]
+            assert r["next_tokens"][b, :n].tolist() == seq[s + 1: s + n + 1]
+            torch.testing.assert_close(r["final"][b, :n], final[s: s + n], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(r["logits"][b, :n], logits[s: s + n], atol=2e-5, rtol=1e-4)
+            for i in (0, 2):
+                torch.testing.assert_close(r["layers"][i][b, :n], layers[i][0, s: s + n], atol=2e-5, rtol=1e-4)
+        # Every token went through the verifier exactly once, in order, up to the last root.
+        assert covered == list(range(len(covered))) and len(covered) >= len(prompt) + 11
