@@ -16,6 +16,11 @@ tokens per step. Finished rows stay in the batch (fixed shapes) and stop advanci
 Host syncs: one per decode step (the accepted tokens, copied to the host to extend the outputs and decide
 whether to stop). Everything else in a step stays on the device.
 
+Exactness: greedy output equals the verifier's plain greedy decoding token for token in float32. In bf16/fp16 a
+near-tie can flip when kernel shapes change (the attention window here is bucketed, `window_bucket=64`, so it
+covers a few masked slots; `window_bucket=1` gives the exact shapes of a cached Hugging Face decode), just as
+Hugging Face's own cached and uncached greedy decoding can disagree in bf16.
+
 The first step's root is the prompt's last token: prefill runs the prompt minus that token, so every generated
 token comes out of a verification step (and a drafter drafts from the very first token).
 """
@@ -253,8 +258,9 @@ class SpeculativeDecoder:
         """Run every prompt minus its last token (left-aligned, padded to the longest) into the KV cache."""
         B, dev = state.batch_size, state.device
         M = max(state.lengths_host)
-        tokens = state.tokens[:, :M]
-        committed = Committed(tokens=tokens, next_tokens=state.tokens[:, 1: M + 1], count=state.lengths.clone(),
+        tokens = state.tokens[:, :M].clone()  # a copy: slots past a short row's length are rewritten later
+        committed = Committed(tokens=tokens, next_tokens=state.tokens[:, 1: M + 1].clone(),
+                              count=state.lengths.clone(),
                               start=torch.zeros(B, dtype=torch.long, device=dev), prefill=True)
         if M == 0:  # one-token prompts only: nothing to run, empty features of the usual shapes
             H, V = self.verifier.hidden_size, self.verifier.vocab_size
