@@ -182,7 +182,7 @@ class SpeculativeDecoder:
         self.cache = None
         eos = verifier.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        # Hidden size etc. checked once: a drafter's layer ids must exist in this verifier.
+        # A drafter that reads decoder-layer inputs (EAGLE-3) must name layers this verifier has.
         if self.drafter.layer_ids:
             verifier.check_layer_ids(list(self.drafter.layer_ids), key=f"{self.method} layer_ids")
 

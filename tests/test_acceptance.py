@@ -5,8 +5,7 @@ import math
 import pytest
 import torch
 
-from eval.acceptance import (greedy_chain, greedy_tree, probs_from_logits, sample, sample_chain, sample_from,
-                             sample_tree)
+from eval.acceptance import greedy_chain, greedy_tree, probs_from_logits, sample, sample_chain, sample_tree
 from eval.tree import Tree, tree_attention_mask
 from tests.utils import chi2_pvalue
 
