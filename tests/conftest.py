@@ -24,3 +24,15 @@ def tiny_verifier_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tiny_verifier_dirs):
     return tiny_verifier_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a busy 2-core machine: one intra-op thread. With two, OpenMP threads spin against each
+    other and against other processes, and small matmuls get 10-100x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
