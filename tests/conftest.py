@@ -10,6 +10,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DRAFTHEADS_QUIET", "1")
+# Tiny models: one intra-op thread per process is faster than two OpenMP threads spinning against each other
+# (and against subprocesses such as `accelerate launch`, which inherit this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.utils import FAMILIES, save_tiny_verifier  # noqa: E402
 
