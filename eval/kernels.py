@@ -251,6 +251,7 @@ class FusedKVCache(StaticKVCache):
     def __init__(self, *args, backend: str = "auto", **kwargs):
         super().__init__(*args, **kwargs)
         self.backend = backend
+        _pointer_table(self)  # now, not inside a CUDA-graph capture (it copies the pointers to the device)
 
     @classmethod
     def for_runner(cls, runner, batch_size: int, capacity: int, backend: str = "auto") -> "FusedKVCache":
