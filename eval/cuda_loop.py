@@ -12,16 +12,20 @@ Why. On a GPU at small batch, a decode step of a 1B model is ~1.7 GB of weights 
 layer, in the ~100 small launches of tree acceptance and KV compaction, and in host syncs. Real speedup then sits
 far below tau (tokens per verifier call). This loop removes that overhead and keeps the verifier's math unchanged.
 
-What a step is. The same pieces as `SpeculativeDecoder` (eval/decoder.py), run as three segments:
-    P  propose   drafter.propose(state)                        -> static draft buffers (tokens, probs, tree)
-    V  verify    verifier forward over root + N nodes (decoder.verify), the acceptance kernel
-                 (eval.kernels.accept: same draws from the same generator as eval.acceptance.accept),
-                 decoder.commit with the cache's one-launch compaction kernel (kernels.FusedKVCache)
+What a step is. The same pieces as `SpeculativeDecoder` (eval/decoder.py), run as two segments:
+    V   verify    verifier forward over root + N nodes (decoder.verify), the acceptance kernel
+                  (eval.kernels.accept: the same draws from the same generator as eval.acceptance.accept),
+                  decoder.commit with the cache's one-launch compaction kernel (kernels.FusedKVCache)
                                                                -> static acceptance / committed buffers
-    O  observe   drafter.observe(state, committed)             (the drafter rolls back / feeds its own cache)
+    OP  observe + propose   drafter.observe(state, committed), then drafter.propose(state) for the next step
+                                                               -> static draft buffers (tokens, probs, tree)
 then ONE device->host copy of (accepted length, accepted tokens, next token) per row, waited on through an event
-recorded before O, so the host's bookkeeping (EOS, max_new_tokens, outputs) overlaps the drafter's observe. Rows
-that finish are switched off with a host->device copy (no sync). Nothing else reads the device.
+recorded before OP, so the host's bookkeeping (EOS, max_new_tokens, outputs) overlaps the drafter's work. Rows that
+finish are switched off with a host->device copy (no sync). Nothing else reads the device. The first proposal of a
+batch runs eagerly in `begin`, after the prefill; the last step's proposal is never used. Observe and the next
+propose share a segment because drafters hand state from one to the other in Python attributes (EAGLE's and
+Medusa's last hidden state are rebound in observe): inside one captured segment that is safe, across two it is not.
+The order of operations, and of random draws, is exactly the unfused loop's.
 
 Static shapes. A batch is padded to a batch bucket (inactive dummy rows of one pad token), the KV cache to a
 capacity bucket, and each step's attention window is rounded up to a window bucket. Within one (batch,
@@ -36,16 +40,17 @@ allocations of `StepBuffers`) and it does the step's real work, so nothing runs 
 not idempotent). The second time it is captured (`torch.cuda.CUDAGraph`, explicit, a private pool per graph;
 capture records without running) and replayed; after that it is replayed. Sampling draws inside the graphs from
 one generator owned by the loop and registered with each graph (`register_generator_state`), re-seeded per call.
-The verifier segment is always captured; the drafter's segments only for drafters known to keep to the contract
-below (`capture_drafter=None` picks: n-gram, draft-model, or a drafter class with `capturable = True`). Graphs
-are dropped when the batch/capacity bucket changes or when the drafter's buffers move (checked once per call).
+The verifier segment is always captured; the drafter's only for drafters known to keep to the contract below
+(`capture_drafter=None` picks: n-gram, draft-model, or a drafter class with `capturable = True`); others run
+eagerly between the verifier's graphs. Graphs are dropped when the batch/capacity bucket changes or when the
+drafter's buffers move (checked once per call).
 
 Capturable drafter contract: `propose` / `observe` do no host syncs and no host->device copies, allocate only
 tensors whose shapes follow from (batch, capacity, max(state.lengths_host)), read `lengths_host` only to size
-windows (an upper bound must do), draw randomness only from `sampling.generator`, keep no Python-side state that
-changes from step to step (a captured segment's Python runs once), and keep the buffers that `start` allocates
-at the same addresses for the same batch size and capacity (the loop compares the tensors in the drafter's public
-attributes once per call and recaptures when they moved).
+windows (an upper bound must do), draw randomness only from `sampling.generator`, hand nothing from propose to the
+next observe in a rebound Python attribute, and keep every tensor that `start` allocates and the segments read at
+the same address for the same batch size and capacity (the loop compares the tensors in the drafter's public
+attributes once per call and recaptures when they moved; private ones are the drafter's promise).
 
 Equivalence. With graphs off (the CPU path, and what tests run) the loop computes exactly what
 `SpeculativeDecoder.generate` computes from the same seed: the same segments, the same random draws in the same
@@ -357,7 +362,7 @@ class FusedDecoder:
     def _check_drafter_buffers(self) -> None:
         addresses = _tensor_addresses(self.drafter)
         if addresses != self._drafter_addresses:
-            self.graphs.clear(("propose", "observe"))
+            self.graphs.clear(("observe_propose",))
             self._drafter_addresses = addresses
 
     # ---- begin / step ----------------------------------------------------------------------------------------
@@ -373,32 +378,41 @@ class FusedDecoder:
         self.drafter.start(state, sampling)
         self._check_drafter_buffers()
         self.drafter.observe(state, committed)
-        return LoopState(state, list(state.lengths_host), [b < len(prompts) for b in range(B)], len(prompts))
+        loop = LoopState(state, list(state.lengths_host), [b < len(prompts) for b in range(B)], len(prompts))
+        self._plan(loop)
+        self._propose(state, sampling)  # the first draft, eagerly (the drafter's state is fresh from the prefill)
+        return loop
+
+    def _plan(self, loop: LoopState) -> int:
+        """This step's window W, and the lengths drafters and decoder.verify size their windows by: W - N - 1.
+        W covers verifying N+1 nodes, observing up to D+1 committed tokens and the next proposal."""
+        N = self.num_draft_tokens
+        W = self.buckets.window_for(max(loop.lengths) + 3 * (N + 1), self.buffers.capacity)
+        loop.state.lengths_host = [W - N - 1] * self.buffers.batch_size
+        return W
 
     def step(self, loop: LoopState, sampling: Sampling, timings: dict | None = None) -> list[list[int]]:
-        """One decode step: P, V, the one sync, O. Returns per real row [accepted a, root, a accepted tokens...
-        padded, next token] (the packed row); advances the host's lengths of active rows."""
-        S, state, N = self.buffers, loop.state, self.num_draft_tokens
-        W = self.buckets.window_for(max(loop.lengths) + 2 * (N + 1), S.capacity)
-        state.lengths_host = [W - N - 1] * S.batch_size  # the bucket's upper bound: drafters size windows by it
+        """One decode step: V, the one sync, OP (the next draft). Returns per real row the packed row
+        [accepted a, root, accepted tokens (padded to D), next token]; advances the host's lengths."""
+        S, state = self.buffers, loop.state
+        W = self._plan(loop)
         key = (W, sampling.temperature, sampling.top_p)
         gen = None if sampling.greedy else sampling.generator
         t0 = self._tick()
-        self.graphs.run(("propose",) + key, lambda: self._propose(state, sampling), gen, self.capture_drafter)
-        t1 = self._tick()
         self.graphs.run(("verify",) + key, lambda: self._verify(state, sampling), gen)
         S.fetch()
+        t1 = self._tick()
+        self.graphs.run(("observe_propose",) + key, lambda: self._observe_propose(state, sampling), gen,
+                        self.capture_drafter)
         t2 = self._tick()
-        self.graphs.run(("observe",) + key, lambda: self._observe(state), gen, self.capture_drafter)
         rows = S.fetched_rows()
-        t3 = self._tick()
         for b in range(S.batch_size):
             if loop.active[b]:
                 loop.lengths[b] += rows[b][0] + 1
         if timings is not None:
-            timings["draft"] = timings.get("draft", 0.0) + (t1 - t0)
-            timings["verify"] = timings.get("verify", 0.0) + (t2 - t1)
-            timings["other"] = timings.get("other", 0.0) + (t3 - t2)
+            timings["verify"] = timings.get("verify", 0.0) + (t1 - t0)
+            timings["draft"] = timings.get("draft", 0.0) + (t2 - t1)
+            timings["other"] = timings.get("other", 0.0) + (self._tick() - t2)
         return rows[: loop.num_rows]
 
     def _propose(self, state: DecodeState, sampling: Sampling) -> Draft:
@@ -416,10 +430,11 @@ class FusedDecoder:
         S.write_step(acc, committed)
         return out, acc, committed
 
-    def _observe(self, state: DecodeState) -> None:
+    def _observe_propose(self, state: DecodeState, sampling: Sampling) -> Draft:
         S = self.buffers
-        S.observed.copy_(S.committed.count)  # one kernel, so a drafter with nothing to do still captures a graph
+        S.observed.copy_(S.committed.count)  # one kernel, so the graph is never empty
         self.drafter.observe(state, S.committed)
+        return self._propose(state, sampling)
 
     def _tick(self) -> float:
         if self.sync_timings and self.device.type == "cuda":
