@@ -130,3 +130,65 @@ def test_errors(setup):
         SegmentGraphs(torch.device("cpu"), enabled=True)
     with pytest.raises(ValueError, match="max_new_tokens"):
         FusedDecoder(dec, graphs=False).generate(PROMPTS, -1)
+
+
+# ---- on a GPU: CUDA graphs, the compiled kernels, and the one sync per step -----------------------------------------
+@pytest.fixture(scope="module")
+def cuda_setup():
+    model = peaked_model("llama").cuda()
+    return model, Verifier(model), None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", list(METHODS))
+def test_fused_graphs_greedy_equals_unfused_cuda(cuda_setup, method):
+    dec = decoder(cuda_setup, method)
+    fused = FusedDecoder(dec, buckets=Buckets(batch=(1, 4), capacity=64, window=64))
+    assert fused.graphs.enabled
+    for _ in range(2):  # the first call warms up and captures, the second replays
+        for prompts in (PROMPTS, PROMPTS[:1]):
+            want = dec.generate(prompts, MAX_NEW)
+            got = fused.generate(prompts, MAX_NEW)
+            assert got.output_ids == want.output_ids, method
+            assert got.stats.accepted == want.stats.accepted
+    assert fused.graphs.captures > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", ["ngram", "draft-chain", "draft-tree"])
+def test_fused_graphs_sampling_cuda(cuda_setup, method):
+    """Sampling inside graphs: reproducible per seed, different across seeds, inside the vocabulary."""
+    dec = decoder(cuda_setup, method)
+    fused = FusedDecoder(dec, buckets=Buckets(batch=(4,), capacity=64, window=64))
+    runs = [fused.generate(PROMPTS, MAX_NEW, temperature=0.9, top_p=0.95, seed=s).output_ids for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+    assert all(len(row) == MAX_NEW and all(0 <= t < 256 for t in row) for row in runs[0])
+    assert fused.graphs.captures > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_fused_step_has_no_hidden_sync_cuda(cuda_setup, method, temperature):
+    """Inside a step nothing synchronises with the host except the step's own event wait (which
+    set_sync_debug_mode does not count), in the eager first run and in replays. (Capturing, the second step,
+    synchronises the device by design, once per graph.)"""
+    dec = decoder(cuda_setup, method)
+    fused = FusedDecoder(dec, buckets=Buckets(batch=(4,), capacity=64, window=64))
+    sampling = Sampling(temperature, 0.95, fused.generator)
+    fused.generator.manual_seed(0)
+    loop = fused.begin(PROMPTS, MAX_NEW, sampling)  # every step of this batch stays in the 64-slot window
+    torch.cuda.synchronize()
+
+    def steps(n):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(n):
+                fused.step(loop, sampling)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    steps(1)  # first use of the key: eager
+    fused.step(loop, sampling)  # capture, then replay
+    steps(3)  # replays
+    assert fused.graphs.captures >= 1
