@@ -2,8 +2,8 @@
 (compiled kernels, or interpreted ones when TRITON_INTERPRET=1 was set before triton was imported).
 
 Exactness. Every decision here repeats the torch reference's float operations in the same order: products and
-comparisons (`u * p(x) < q(x)`), `max(q - p, 0)`, IEEE division (`div_rn`; Triton's plain `/` on fp32 is the
-approximate `div.full` on NVIDIA GPUs), argmax with ties to the lowest index. The one thing that cannot be
+comparisons (`u * p(x) < q(x)`), `max(q - p, 0)`, IEEE division (`div_rn`; Triton's plain `/` on fp32 compiles
+to the approximate `div.approx.f32` for sm_90), argmax with ties to the lowest index. The one thing that cannot be
 repeated is the order of a float32 sum (the residual's normaliser): it may differ from torch's in the last bit,
 which can change a discrete outcome only when a uniform or a ratio falls within one rounding step of a boundary.
 Greedy acceptance has no sums and is exact. Launch with `enable_fp_fusion=False` so no multiply-add is fused.

@@ -58,15 +58,23 @@ order, the kernels' torch references. Greedy output equals plain greedy decoding
 in bf16 near-ties may flip with kernel shapes, exactly as decoder.py says for its window buckets).
 
 Predicted floor (METHOD.md's two numbers; H200, bf16, batch 1, the 1B-shaped verifier of scripts/bench_gpu.py:
-hidden 2048, 16 layers, vocab 32000, ~0.85B parameters): a verifier step reads ~1.7 GB -> ~0.40 ms at 4.3 TB/s
-whatever N+1 <= ~64 (memory-bound); an EAGLE draft step reads its layer + lm_head (~0.25 GB, ~0.06 ms); so a
-chain of 4 costs ~0.64 ms per step against ~0.40 ms for a plain step, and efficiency = speedup / tau can reach
-~0.40 / 0.64 ~ 0.63 at best with a full-vocabulary lm_head, ~0.8 with a pruned EAGLE-3 vocabulary. Eager, the
-same step costs ~3-5 ms of launches: that gap is what this loop is for.
+hidden 2048, 16 layers, vocab 32000, ~0.85B parameters). Bytes: a verifier step reads ~1.6 GB -> ~0.37 ms at
+4.3 TB/s whatever N+1 <= ~64 (memory-bound); an EAGLE-1 draft pass (layer + full lm_head) ~0.24 GB -> ~0.06 ms,
+an EAGLE-3 pass with an 8k draft vocabulary ~0.14 GB -> ~0.03 ms. Launches: even replayed from a graph, each
+kernel costs a few microseconds, ~250 per verifier step (~0.5-0.8 ms) and ~35 per draft pass. A chain of 4 is
+four draft passes per step, so efficiency = speedup / tau is bounded near 0.6 (EAGLE-1) to 0.8 (EAGLE-3) at
+batch 1 on this model, and grows with the verifier. Eager, a step costs several ms of Python and launches: that
+gap, not the math, is what this loop removes.
 
-Wiring into SpeculativeDecoder (after the drafters land): `SpeculativeDecoder(..., fused=False)`; in `generate`,
-`if self.fused: return self._fused.generate(input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)`
-with `self._fused = FusedDecoder(self)` built lazily (see the report of the kernels branch for the exact diff).
+Wiring into SpeculativeDecoder (a `fused` option; eval/decoder.py, after the drafters land):
+    __init__(self, ..., fused: bool = False):   self.fused, self._fused_loop = fused, None
+    from_pretrained(..., fused: bool = False, **method_options):   cls(verifier, drafter, method=method, fused=fused)
+    generate(...), first lines:
+        if self.fused:
+            if self._fused_loop is None:
+                from eval.cuda_loop import FusedDecoder  # here: eval.cuda_loop imports eval.decoder
+                self._fused_loop = FusedDecoder(self)
+            return self._fused_loop.generate(input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)
 """
 
 from __future__ import annotations
@@ -78,14 +86,11 @@ import torch
 
 from eval import kernels
 from eval.acceptance import Acceptance
-from eval.decoder import DecodeStats, GenerationResult, SpeculativeDecoder
+from eval.decoder import _CONFIG, DecodeStats, GenerationResult, SpeculativeDecoder
 from eval.drafters import DraftModelDrafter, NgramDrafter
 from eval.protocol import Committed, DecodeState, Draft, Sampling
 from eval.runtime import bucket
 from eval.tree import Tree
-
-_DEFAULT = object()  # "use the verifier config's eos_token_id"
-
 
 # ---- static shapes -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -424,8 +429,11 @@ class FusedDecoder:
         S, dec = self.buffers, self.decoder
         draft = S.draft
         out = dec.verify(state, draft)
-        acc = kernels.accept(draft.tokens, draft.tree, draft.probs, out.logits, sampling.temperature,
-                             sampling.top_p, sampling.generator, backend=self.backend)
+        if getattr(self.drafter, "typical", None) is not None:  # lossy typical acceptance: no kernel, the reference
+            acc = dec.accept(draft, out, sampling)
+        else:
+            acc = kernels.accept(draft.tokens, draft.tree, draft.probs, out.logits, sampling.temperature,
+                                 sampling.top_p, sampling.generator, backend=self.backend)
         committed = dec.commit(state, draft, acc, out)  # compaction through S.cache: the fused kernel
         S.write_step(acc, committed)
         return out, acc, committed
@@ -444,13 +452,13 @@ class FusedDecoder:
     # ---- generate ----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, eos_token_id=_DEFAULT) -> GenerationResult:
+                 seed: int | None = None, eos_token_id=_CONFIG) -> GenerationResult:
         """`SpeculativeDecoder.generate`, fused: same arguments, same results (see the module docstring)."""
         dec = self.decoder
         prompts = dec._prompts(input_ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
-        eos = set(dec.eos_token_ids if eos_token_id is _DEFAULT else [] if eos_token_id is None else
+        eos = set(dec.eos_token_ids if eos_token_id is _CONFIG else [] if eos_token_id is None else
                   [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
         if seed is None:
             self.generator.seed()
@@ -459,6 +467,8 @@ class FusedDecoder:
         sampling = Sampling(temperature, top_p, self.generator)
         B, N = len(prompts), self.num_draft_tokens
         stats = DecodeStats(dec.method, B, N, accepted=[[] for _ in range(B)])
+        if hasattr(stats, "lossless"):  # the engine's flag for lossy (typical) acceptance
+            stats.lossless = getattr(self.drafter, "typical", None) is None or sampling.greedy
         outputs: list[list[int]] = [[] for _ in range(B)]
         t_start = self._tick()
         if max_new_tokens == 0:
