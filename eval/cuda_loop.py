@@ -80,7 +80,8 @@ Wiring into SpeculativeDecoder (a `fused` option; eval/decoder.py, after the dra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -237,14 +238,21 @@ class StepBuffers:
 # ---- CUDA graphs ---------------------------------------------------------------------------------------------------
 class SegmentGraphs:
     """Runs a segment eagerly (disabled, or first use of a key) or as a captured CUDA graph (second use: capture
-    and replay; later: replay). A segment must read and write only memory that outlives the graph."""
+    and replay; later: replay). A segment must read and write only memory that outlives the graph.
 
-    def __init__(self, device: torch.device, enabled: bool):
+    A segment that cannot be captured (an op that syncs or is not capturable) runs eagerly from then on, with a
+    warning and its key in `failures` (the capture ran nothing, so the eager run is the step's only one); with
+    `strict=True` the error propagates instead.
+    """
+
+    def __init__(self, device: torch.device, enabled: bool, strict: bool = False):
         if enabled and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the verifier is on {device}")
-        self.device, self.enabled = device, enabled
+        self.device, self.enabled, self.strict = device, enabled, strict
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, object]] = {}
         self.seen: set[tuple] = set()
+        self.failures: dict[tuple, str] = {}
+        """Keys whose capture failed, with the error: they run eagerly."""
         self.stream = torch.cuda.Stream(device) if enabled else None
         self.captures = 0
         """Graphs captured so far (for tests and reports)."""
@@ -254,9 +262,10 @@ class SegmentGraphs:
         for key in [k for k in self.seen if segments is None or k[0] in segments]:
             self.seen.discard(key)
             self.graphs.pop(key, None)
+            self.failures.pop(key, None)
 
     def run(self, key: tuple, fn, generator: torch.Generator | None = None, capture: bool = True):
-        if not (self.enabled and capture):
+        if not (self.enabled and capture) or key in self.failures:
             return fn()
         rec = self.graphs.get(key)
         if rec is not None:
@@ -273,8 +282,16 @@ class SegmentGraphs:
         graph = torch.cuda.CUDAGraph()
         if generator is not None:
             graph.register_generator_state(generator)
-        with torch.cuda.graph(graph, stream=self.stream):
-            out = fn()  # recorded, not run
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                out = fn()  # recorded, not run
+        except Exception as e:
+            if self.strict:
+                raise
+            self.failures[key] = f"{type(e).__name__}: {e}"
+            warnings.warn(f"CUDA graph capture of segment {key} failed; it runs eagerly: {self.failures[key]}")
+            torch.cuda.synchronize(self.device)
+            return fn()
         self.graphs[key] = (graph, out)  # `out` keeps what the segment returned (and the graph reads) alive
         self.captures += 1
         graph.replay()
@@ -330,18 +347,21 @@ class FusedDecoder:
     graphs: capture CUDA graphs (default: when the verifier is on CUDA). backend: the kernels' backend
     (eval.kernels; "auto" = Triton on CUDA, the torch references elsewhere). capture_drafter: capture the drafter's
     segments too (None: for drafters known to be capturable). sync_timings: synchronise around segments so that
-    the per-phase timings in the stats are exact (slower).
+    the per-phase timings in the stats are exact (slower). strict_graphs: a failed capture is an error instead
+    of a warning and an eager segment.
     """
 
     def __init__(self, decoder: SpeculativeDecoder, graphs: bool | None = None, buckets: Buckets = Buckets(),
-                 backend: str = "auto", capture_drafter: bool | None = None, sync_timings: bool = False):
+                 backend: str = "auto", capture_drafter: bool | None = None, sync_timings: bool = False,
+                 strict_graphs: bool = False):
         self.decoder = decoder
         self.drafter = decoder.drafter
         self.device = decoder.device
         self.buckets = buckets
         self.backend = backend
         kernels._mode(self.device, backend)  # an unusable backend is an error now, not at the first step
-        self.graphs = SegmentGraphs(self.device, self.device.type == "cuda" if graphs is None else graphs)
+        self.graphs = SegmentGraphs(self.device, self.device.type == "cuda" if graphs is None else graphs,
+                                    strict=strict_graphs)
         if capture_drafter is None:
             capture_drafter = bool(getattr(self.drafter, "capturable", False)) or \
                 isinstance(self.drafter, (NgramDrafter, DraftModelDrafter))

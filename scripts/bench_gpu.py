@@ -290,6 +290,8 @@ def bench_verifier(name: str, verifier: Verifier, tokenizer, args, device, deadl
         res["drafter_captured"] = r["spec_fused"].capture_drafter
         res["graphs_captured"] = {"spec_fused": r["spec_fused"].graphs.captures,
                                   "autoregressive_fused": r["ar_fused"].graphs.captures}
+        res["graph_failures"] = {k: {str(key): err for key, err in r[k].graphs.failures.items()}
+                                 for k in ("spec_fused", "ar_fused")}
         ref = outs["autoregressive"]
         res["outputs_agree_" + str(dtype).split(".")[-1]] = {
             k: sum(first_divergence(a, b) is None for a, b in zip(v, ref)) / len(ref) for k, v in outs.items()}
@@ -335,7 +337,8 @@ def markdown(report: dict) -> str:
         v = res["verifier"]
         lines += [f"{v['name']}: {v['parameters'] / 1e6:.1f}M parameters, hidden {v['hidden_size']}, "
                   f"{v['num_layers']} layers, vocab {v['vocab_size']}. Drafter: {res.get('method_note')}; "
-                  f"fit {res['fit']}. Drafter captured in graphs: {res.get('drafter_captured')}.", ""]
+                  f"fit {res['fit']}. Drafter captured in graphs: {res.get('drafter_captured')}; graph captures "
+                  f"{res.get('graphs_captured')}, failed captures {res.get('graph_failures')}.", ""]
         if "exactness_fp32" in res:
             ok = {k: v["identical"] for k, v in res["exactness_fp32"].items()}
             lines += [f"float32 greedy tokens identical to HF generate: {ok}", ""]
