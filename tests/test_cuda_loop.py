@@ -135,8 +135,11 @@ def test_errors(setup):
 # ---- on a GPU: CUDA graphs, the compiled kernels, and the one sync per step -----------------------------------------
 @pytest.fixture(scope="module")
 def cuda_setup():
-    model = peaked_model("llama").cuda()
-    return model, Verifier(model), None
+    """(the CPU model, for noisy draft copies that make_drafter moves over; the verifier on the GPU; no refs)."""
+    import copy
+
+    model = peaked_model("llama")
+    return model, Verifier(copy.deepcopy(model).cuda()), None
 
 
 @pytest.mark.cuda

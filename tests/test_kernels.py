@@ -383,9 +383,10 @@ def test_fused_loop_kernel_equals_unfused(device, branching):
     from tests.utils import noisy_copy, peaked_model
 
     torch.manual_seed(0)
-    model = peaked_model("llama", vocab_size=97).to(device)
-    verifier = Verifier(model)
-    drafter = make_drafter("draft-model", verifier, noisy_copy(model, 0.2), branching=branching)
+    model = peaked_model("llama", vocab_size=97)
+    draft = noisy_copy(model, 0.2)  # on the CPU (its noise comes from a CPU generator); make_drafter moves it
+    verifier = Verifier(model.to(device))
+    drafter = make_drafter("draft-model", verifier, draft, branching=branching)
     dec = SpeculativeDecoder(verifier, drafter, "draft-model")
     fused = FusedDecoder(dec, backend="triton", buckets=Buckets(batch=(4,), capacity=64, window=64))
     prompts = [[5, 77, 31, 20, 9, 77, 31], [42, 8]]
