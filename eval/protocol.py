@@ -166,6 +166,9 @@ class Drafter:
     """Whether `Committed.final` (post-norm hidden states) is needed (Medusa, EAGLE-1)."""
     wants_logits: bool = False
     """Whether `Committed.logits` is needed."""
+    typical: tuple[float, float] | None = None
+    """(epsilon, alpha): sampled steps use Medusa's typical acceptance, which is LOSSY (the output no longer
+    follows the verifier's distribution). None, the default for every drafter: the lossless rules."""
 
     def start(self, state: DecodeState, sampling: Sampling) -> None:
         """A new batch: allocate or reuse own buffers for `state.batch_size` rows of `state.capacity` slots."""
@@ -179,4 +182,7 @@ class Drafter:
 
     def describe(self) -> dict:
         """Options worth reporting (goes into stats / results.json)."""
-        return {"name": self.name, "num_draft_tokens": self.num_draft_tokens, "max_depth": self.max_depth}
+        d = {"name": self.name, "num_draft_tokens": self.num_draft_tokens, "max_depth": self.max_depth}
+        if self.typical is not None:
+            d["acceptance"] = {"typical": list(self.typical), "lossless": False}
+        return d
