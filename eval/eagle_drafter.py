@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from eval.acceptance import exponential_noise, probs_from_logits
 from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
@@ -91,6 +92,7 @@ class EagleTreeDrafter(Drafter):
         # Draft id -> verifier id (identity for EAGLE-1, whose logits are the verifier's lm_head).
         draft_vocab = model.draft_vocab_size if self.version == 3 else self.vocab_size
         self.draft_to_target = model.to_target_ids(torch.arange(draft_vocab, device=model.device))
+        self._gqa = model.num_heads != model.num_kv_heads
         self.cache_k = self.cache_v = None
         self._hidden: torch.Tensor | None = None
 
@@ -128,21 +130,25 @@ class EagleTreeDrafter(Drafter):
         return min(self.capacity, bucket(n, self.window_bucket))
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                window_mask: torch.Tensor, new_mask: torch.Tensor) -> torch.Tensor:
-        """Run n new pairs against the cache window and write their keys/values at `slots`.
+                mask: torch.Tensor) -> torch.Tensor:
+        """Run n new pairs through the drafter layer over its static cache. ids, positions, slots (B, n);
+        hidden (B, n, H); mask (B, n, W) bool over cache slots 0..W-1, the new tokens' own slots included (their
+        keys/values are written first). Returns the drafter's outputs (B, n, H).
 
-        ids, positions, slots (B, n); hidden (B, n, H); window_mask (B, n, W) over cache slots 0..W-1 (never the
-        new tokens' own slots: they are written after the call); new_mask (B or 1, n, n) among the new tokens.
-        Returns the drafter's outputs (B, n, H).
+        The same computation as `models.eagle.EagleDrafter.forward` (the engine tests check it against that
+        public API), built from the layer's pieces so that keys/values go straight into preallocated buffers
+        and grouped-query attention reads the kv heads in place: no cache concatenation, no repeated kv heads.
         """
+        m = self.model
         B, n = ids.shape
-        W = window_mask.shape[-1]
-        mask = torch.cat([window_mask, new_mask.expand(B, n, n)], -1)[:, None]  # (B, 1, n, W+n)
-        out, (k, v) = self.model(ids, hidden, positions, mask,
-                                 past_key_value=(self.cache_k[:, :, :W], self.cache_v[:, :, :W]))
-        self.cache_k[self._rows, :, slots] = k[:, :, W:].transpose(1, 2)  # (B, n, H_kv, hd)
-        self.cache_v[self._rows, :, slots] = v[:, :, W:].transpose(1, 2)
-        return out
+        W = mask.shape[-1]
+        x, residual = m._layer_input(m.embed(ids), hidden.to(m.dtype))
+        q, k, v = m._qkv(x, positions)  # q (B, nh, n, d), k/v (B, nkv, n, d), RoPE applied
+        self.cache_k[self._rows, :, slots] = k.transpose(1, 2)  # (B, n, nkv, d)
+        self.cache_v[self._rows, :, slots] = v.transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, self.cache_k[:, :, :W], self.cache_v[:, :, :W],
+                                              attn_mask=mask[:, None], enable_gqa=self._gqa)  # (B, nh, n, d)
+        return m._block(attn.transpose(1, 2).reshape(B, n, -1), residual)
 
     # ---- protocol ----------------------------------------------------------------------------------------------------
     def features(self, committed: Committed) -> torch.Tensor:
@@ -161,10 +167,9 @@ class EagleTreeDrafter(Drafter):
         steps = torch.arange(M, device=dev)
         pos = start[:, None] + steps  # (B, M)
         # Rows start at most at max(lengths_host) (prefill: 0; a step: the old lengths, not yet advanced on host).
-        W = self._window(max(state.lengths_host))
-        window_mask = (torch.arange(W, device=dev)[None, :] < start[:, None])[:, None, :].expand(B, M, W)
-        causal = steps[None, :] <= steps[:, None]  # (M, M)
-        out = self.forward(committed.next_tokens, self.features(committed), pos, pos, window_mask, causal[None])
+        W = self._window(max(state.lengths_host) + M)
+        mask = torch.arange(W, device=dev)[None, None, :] <= pos[:, :, None]  # (B, M, W): causal over the cache
+        out = self.forward(committed.next_tokens, self.features(committed), pos, pos, mask)
         self._hidden = committed.last(out)[:, None]  # (B, 1, H): o_{L-1}, the first draft level's hidden
 
     def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
@@ -199,9 +204,8 @@ class EagleTreeDrafter(Drafter):
             if d == self.depth:
                 break
             at = (L + d - 1)[:, None]  # (B, 1) the node's position and slot
-            window_mask = (j[None, :] < at)[:, None, :]  # (B, 1, W): the prefix and the chain above
-            hidden = self.forward(tok[:, None], hidden, at, at, window_mask, torch.ones(1, 1, 1, dtype=torch.bool,
-                                                                                        device=dev))
+            mask = (j[None, :] <= at)[:, None, :]  # (B, 1, W): the prefix, the chain above, itself
+            hidden = self.forward(tok[:, None], hidden, at, at, mask)
             logits = self.model.logits(hidden)[:, 0]
         draft_probs = None if probs[0] is None else torch.stack(probs, 1)  # (B, K, V)
         return Draft(torch.stack(tokens, 1), self.tree, draft_probs)
@@ -216,7 +220,6 @@ class EagleTreeDrafter(Drafter):
         W = self._window(max(state.lengths_host) + S)
         H = self.hidden_size
         ar_k = torch.arange(k, device=dev)
-        eye = torch.eye(k, dtype=torch.bool, device=dev)[None]  # (1, k, k): frontier nodes see themselves only
 
         # Level 1: the top k tokens after the root, from the last committed position's output.
         logp = torch.log_softmax(m.logits(self._hidden).float(), -1)[:, 0]  # (B, V')
@@ -230,9 +233,9 @@ class EagleTreeDrafter(Drafter):
         for d in range(1, D):
             # Run the frontier (depth d, positions L+d-1) through the drafter: k nodes in one forward.
             slots = L[:, None] + (d - 1) * k + ar_k  # (B, k)
-            window_mask = tree_attention_mask(L, front_anc, W)  # (B, k, W): prefix + ancestors' draft slots
-            out = self.forward(front_tok, front_hidden, (L + d - 1)[:, None].expand(B, k), slots, window_mask, eye)
-            front_anc[:, ar_k, (d - 1) * k + ar_k] = True  # each node's own slot, for its children
+            front_anc[:, ar_k, (d - 1) * k + ar_k] = True  # each node's own slot (its children inherit it)
+            mask = tree_attention_mask(L, front_anc, W)  # (B, k, W): prefix + ancestors-or-self draft slots
+            out = self.forward(front_tok, front_hidden, (L + d - 1)[:, None].expand(B, k), slots, mask)
             logp = torch.log_softmax(m.logits(out).float(), -1)  # (B, k, V')
             child_lp, child_id = logp.topk(k, -1)  # (B, k, k)
             cum = (front_score[..., None] + child_lp).flatten(1)  # (B, k*k) cumulative draft log-prob
