@@ -147,8 +147,8 @@ def _medusa(verifier, draft, device, dtype, paths=None, tree_budget: int | None 
                        typical_alpha)
 
 
-def _eagle(verifier, draft, device, dtype, chain: int | None = None, depth: int = 6, top_k: int = 8,
-           total_tokens: int = 48, tree_sampling: str | None = None):
+def _eagle(verifier, draft, device, dtype, chain: int | None = None, depth: int = 6, top_k: int = 4,
+           total_tokens: int = 16, tree_sampling: str | None = None):
     return make_eagle(verifier, draft, chain, depth, top_k, total_tokens, tree_sampling)
 
 

@@ -26,6 +26,10 @@ Modes:
             deterministic given the drafter: one-hot draft distribution, lossless (as in the EAGLE repo, whose
             tree sampling also treats them as one-hot). All on the device: topk / gather / sort, and
             `Tree.from_parents(..., max_depth=D, max_children=k)`; no host sync while drafting.
+Sizes. The default tree (depth 6, top_k 4, total_tokens 16) is sized for CPUs, where verifying N+1 tokens costs
+far more than verifying one (scripts/profile_decode_step.py: on 1 core, an 8-layer H=256 verifier takes ~1.4x an
+autoregressive step to verify 4 tokens, ~2.2x for 17, ~4x for 49); on a GPU, where a wide verification is nearly
+free, EAGLE-2's own depth 6, top_k 10, total_tokens 60 accepts more per step.
 EAGLE-3 drafts over its draft vocabulary; tokens are mapped to verifier ids with d2t, and its sampled draft
 distribution over the verifier vocabulary is zero outside the draft vocabulary (the lossless rule only needs the
 exact distribution each token was drawn from).
@@ -51,7 +55,7 @@ class EagleTreeDrafter(Drafter):
 
     name = "eagle"
 
-    def __init__(self, model, chain: int | None = None, depth: int = 6, top_k: int = 8, total_tokens: int = 48,
+    def __init__(self, model, chain: int | None = None, depth: int = 6, top_k: int = 4, total_tokens: int = 16,
                  tree_sampling: str | None = None, window_bucket: int = 64):
         self.model = model.eval().requires_grad_(False)
         self.version = model.version
@@ -264,7 +268,7 @@ class EagleTreeDrafter(Drafter):
         return Draft(tokens.gather(1, keep), tree)
 
 
-def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k: int = 8, total_tokens: int = 48,
+def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k: int = 4, total_tokens: int = 16,
                tree_sampling: str | None = None) -> EagleTreeDrafter:
     """The `eagle` method: `draft` is an exported folder (`models.eagle.export_eagle`) or an EagleDrafter module.
     Default: EAGLE-2's dynamic tree (depth, top_k, total_tokens); chain=K for a chain of K tokens."""

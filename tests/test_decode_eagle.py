@@ -85,7 +85,7 @@ def test_default_is_the_dynamic_tree_and_folders_resolve(tmp_path, tiny_verifier
     export_eagle(fitted(verifier.model, verifier, 3), tmp_path / "e3", verifier)
     dec = SpeculativeDecoder.from_pretrained(tiny_verifier_dirs["qwen2"], draft=tmp_path / "e3", method="eagle")
     d = dec.drafter.describe()
-    assert d["eagle_version"] == 3 and d["depth"] == 6 and d["top_k"] == 8 and d["total_tokens"] == 48
+    assert d["eagle_version"] == 3 and d["depth"] == 6 and d["top_k"] == 4 and d["total_tokens"] == 16
     assert not dec.drafter.chain and dec.drafter.layer_ids == tuple(verifier.default_eagle3_layers())
     prompt = PROMPTS[1][0]
     assert dec.generate([prompt], 16).output_ids == [hf_greedy(dec.verifier.model, prompt, 16, eos_token_id=2)]
