@@ -279,6 +279,10 @@ def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k:
     if isinstance(draft, (str, os.PathLike)):
         model = load_eagle(draft, verifier)
     elif isinstance(draft, EagleDrafter):
+        if (draft.hidden_size, draft.verifier_vocab_size) != (verifier.hidden_size, verifier.vocab_size):
+            raise ValueError(f"method 'eagle': the drafter is for hidden_size={draft.hidden_size}, vocab_size="
+                             f"{draft.verifier_vocab_size}; the verifier has {verifier.hidden_size}, "
+                             f"{verifier.vocab_size}")
         model = draft.to(verifier.device)
     else:
         raise TypeError(f"method 'eagle': draft must be an export folder or an EagleDrafter, got "

@@ -34,14 +34,15 @@ Rows whose prompt is a single token have no committed token before the first ste
 a drafter that drafts from verifier features proposes anything it likes there (say, the root repeated);
 acceptance stays lossless whatever is proposed, only that step's acceptance is poor.
 
-How Medusa and EAGLE plug in:
+How Medusa and EAGLE plug in (eval/medusa_drafter.py, eval/eagle_drafter.py):
   - Medusa (wants_final): observe keeps `final` at the last committed token of each row
-    (`committed.last(committed.final)`); propose runs the heads on it and expands the static tree
-    (`Tree.from_paths`) with each head's top-k (deterministic picks, probs=None) or samples.
+    (`committed.last(committed.final)`); propose runs the heads on it and fills the static tree
+    (`Tree.from_paths`) with each head's top-k (deterministic picks, probs=None) or draws without replacement.
   - EAGLE-1 (wants_final) / EAGLE-3 (layer_ids = the three feature layers): observe feeds the pairs
-    (feature_t, next_tokens_t) for the `count` committed tokens through the draft layer into its own KV cache
-    (ragged per row: pad to M and mask), after compacting the accepted draft nodes it wrote last step; propose
-    then expands the tree from the last pair's output (chain, or EAGLE-2's dynamic tree by cumulative log-prob).
+    (next_tokens_t, feature_t) of the `count` committed tokens through the draft layer into its own KV cache at
+    their positions (ragged per row: padded to M, causal mask); draft entries of the last step sit after the
+    committed slots and are simply overwritten, since accepted drafts are recomputed from the verifier's features.
+    Propose expands the chain, or EAGLE-2's dynamic tree by cumulative log-prob, from the last pair's output.
 """
 
 from __future__ import annotations
