@@ -3,8 +3,8 @@
     PYTHONPATH=. python scripts/profile_decode_step.py [--threads 1 2] [--new-tokens 64] [--repeats 3]
 
 Builds a random verifier shaped like the embedded default (Llama, 8 layers, H=256, V=4096, GQA 4/2), a random
-one-layer EAGLE-3 drafter (2048-token draft vocabulary) and 4 Medusa heads, decodes one prompt greedily with each configuration and
-prints, per step: draft / verify / other milliseconds and the cost relative to one autoregressive step. Random
+one-layer EAGLE-3 drafter (2048-token draft vocabulary) and 4 Medusa heads, decodes one prompt greedily with each
+configuration and prints, per step: draft / verify / other milliseconds and the cost relative to one autoregressive step. Random
 weights give tau ~ 1, but a step's cost does not depend on how much is accepted (shapes are fixed), so
   efficiency = t_autoregressive / t_step        (the most speedup / tau a drafter of any quality can reach)
   break-even tau = t_step / t_autoregressive    (below it, speculation is slower than plain decoding)
