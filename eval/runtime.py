@@ -16,8 +16,8 @@ attention kernel (SDPA or eager), the layer code and the weights exactly Hugging
 layer, and leaves every buffer at a fixed address for CUDA graphs later. One substitution: for "sdpa" models each
 forward routes attention to `sdpa_gqa_attention`, the same SDPA call with `enable_gqa` instead of Hugging Face's
 copy of every kv head per query group (which its sdpa path makes whenever a mask is given). The price is depending
-on the decoder layer's call signature (`hidden_states, attention_mask=, position_embeddings=, position_ids=, cache=`), shared by
-the families in `SUPPORTED_MODEL_TYPES`; any other model type gets a clear error.
+on the decoder layer's call signature (`hidden_states, attention_mask=, position_embeddings=, position_ids=,
+cache=`), shared by the families in `SUPPORTED_MODEL_TYPES`; any other model type gets a clear error.
 
 Cache layout: row b's committed tokens occupy slots 0 .. len_b - 1 (slot = position); a forward writes its n new
 tokens at caller-chosen slots (the tree after the prefix), and `compact` moves the accepted path to consecutive
