@@ -1,14 +1,14 @@
 """Where a decode step's time goes: drafter, verifier, everything else, per method and tree size, on CPU.
 
-    PYTHONPATH=. python scripts/profile_decode_step.py [--threads 1 2] [--new-tokens 64] [--repeats 3]
+    PYTHONPATH=. python scripts/profile_decode_step.py [--threads 1 2] [--new-tokens 64] [--repeats 5] [--configs ...]
 
 Builds a random verifier shaped like the embedded default (Llama, 8 layers, H=256, V=4096, GQA 4/2), a random
 one-layer EAGLE-3 drafter (2048-token draft vocabulary) and 4 Medusa heads, decodes one prompt greedily with each
-configuration and prints, per step: draft / verify / other milliseconds and the cost relative to one autoregressive step. Random
-weights give tau ~ 1, but a step's cost does not depend on how much is accepted (shapes are fixed), so
+configuration and prints, per step: draft / verify / other milliseconds and the cost relative to one autoregressive
+step. Random weights give tau ~ 1, but a step's cost does not depend on how much is accepted (shapes are fixed), so
   efficiency = t_autoregressive / t_step        (the most speedup / tau a drafter of any quality can reach)
   break-even tau = t_step / t_autoregressive    (below it, speculation is slower than plain decoding)
-Numbers are the best of `--repeats` runs (the machine is shared).
+Numbers are the best of `--repeats` interleaved runs (the machine is shared).
 """
 
 from __future__ import annotations
