@@ -247,3 +247,15 @@ def test_option_errors(exported):
         make_drafter("eagle", verifier, str(folder), num_steps=3)
     with pytest.raises(TypeError, match="export folder or an EagleDrafter"):
         make_drafter("eagle", verifier, 3)
+
+
+@pytest.mark.parametrize("options", [dict(chain=3), dict(chain=3, tree_sampling="topk"), MODES["tree"]],
+                         ids=["chain-sample", "chain-topk", "tree"])
+def test_sampling_ragged_batch_is_reproducible(exported, options):
+    """T=0.8, top-p 0.9 on a ragged batch: runs, reproducible by seed, and lossless."""
+    _, verifier, _, folder = exported("qwen2", 3)
+    dec = SpeculativeDecoder(verifier, make_drafter("eagle", verifier, str(folder), **options), "eagle")
+    a = dec.generate(PROMPTS[3], 16, temperature=0.8, top_p=0.9, seed=5)
+    b = dec.generate(PROMPTS[3], 16, temperature=0.8, top_p=0.9, seed=5)
+    assert a.output_ids == b.output_ids and a.stats.lossless
+    assert all(1 <= len(o) <= 16 for o in a.output_ids)

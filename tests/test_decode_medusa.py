@@ -233,3 +233,14 @@ def test_option_errors(exported):
     heads = MedusaHeads.from_verifier(verifier, num_heads=2)
     with pytest.raises(ValueError, match="tree_budget needs"):
         make_drafter("medusa", verifier, heads, tree_budget=4)
+
+
+@pytest.mark.parametrize("tree_sampling", ["sample", "topk"])
+def test_sampling_ragged_batch_is_reproducible(exported, tree_sampling):
+    _, verifier, _, folder = exported("mistral")
+    dec = SpeculativeDecoder(verifier, make_drafter("medusa", verifier, str(folder), tree_sampling=tree_sampling),
+                             "medusa")
+    a = dec.generate(PROMPTS[3], 16, temperature=0.8, top_p=0.9, seed=5)
+    b = dec.generate(PROMPTS[3], 16, temperature=0.8, top_p=0.9, seed=5)
+    assert a.output_ids == b.output_ids and a.stats.lossless
+    assert all(1 <= len(o) <= 16 for o in a.output_ids)
