@@ -15,7 +15,8 @@ so prompts of different lengths need no padding inside the sequence, and each ro
 tokens per step. Finished rows stay in the batch (fixed shapes) and stop advancing. Trees run batched as well.
 
 Host syncs: one per decode step (the accepted tokens, copied to the host to extend the outputs and decide
-whether to stop). Everything else in a step stays on the device.
+whether to stop; drafters are then shown only the longest accepted path, `Committed.trim`). Everything else in a
+step stays on the device.
 
 Exactness: greedy output equals the verifier's plain greedy decoding token for token in float32. In bf16/fp16 a
 near-tie can flip when kernel shapes change (the attention window here is bucketed, `window_bucket=64`, so it
@@ -347,6 +348,7 @@ class SpeculativeDecoder:
         out = self.verify(state, draft)
         acc = self.accept(draft, out, sampling)
         committed = self.commit(state, draft, acc, out)
+        committed = committed.trim(max(int(committed.count.max()), 1))
         self.drafter.observe(state, committed)
         state.lengths_host = state.lengths.tolist()
         return draft, acc, committed
@@ -406,11 +408,14 @@ class SpeculativeDecoder:
             t2 = self._tick()
             acc = self.accept(draft, out, sampling)
             committed = self.commit(state, draft, acc, out)
+            # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots. Before the
+            # drafter's observe, so that it runs over the longest accepted path only (on a CPU a forward over 1-2
+            # tokens costs much less than over the deepest possible D+1).
+            host = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
+            committed = committed.trim(max(host[b][0] + 1 for b in range(B) if active[b]))
             t3 = self._tick()
             drafter.observe(state, committed)
             t4 = self._tick()
-            # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots.
-            host = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
             newly_done = False
             for b in range(B):
                 if not active[b]:

@@ -171,7 +171,7 @@ class EagleTreeDrafter(Drafter):
         steps = torch.arange(M, device=dev)
         pos = start[:, None] + steps  # (B, M)
         # Rows start at most at max(lengths_host) (prefill: 0; a step: the old lengths, not yet advanced on host).
-        W = self._window(max(state.lengths_host) + M)
+        W = self._window(max(state.lengths_host) + M)  # covers every row's start + M
         mask = torch.arange(W, device=dev)[None, None, :] <= pos[:, :, None]  # (B, M, W): causal over the cache
         out = self.forward(committed.next_tokens, self.features(committed), pos, pos, mask)
         self._hidden = committed.last(out)[:, None]  # (B, 1, H): o_{L-1}, the first draft level's hidden

@@ -47,6 +47,7 @@ How Medusa and EAGLE plug in (eval/medusa_drafter.py, eval/eagle_drafter.py):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -127,7 +128,8 @@ class Committed:
     """The verifier's outputs for the tokens that just entered its KV cache."""
 
     tokens: torch.Tensor
-    """(B, M) long: committed tokens (prefill: the prompt minus its last token; step: root + accepted drafts)."""
+    """(B, M) long: committed tokens (prefill: the prompt minus its last token; step: root + accepted drafts,
+    M = the largest count of the step)."""
     next_tokens: torch.Tensor
     """(B, M) long: the token after each (so next_tokens[b, count[b] - 1] is the new pending root)."""
     count: torch.Tensor
@@ -144,6 +146,14 @@ class Committed:
     """layer id -> (B, M, H) that decoder layer's input at `tokens`, for the drafter's layer_ids."""
     logits: torch.Tensor | None = None
     """(B, M, V) verifier logits at `tokens`, if the drafter wants_logits."""
+
+    def trim(self, m: int) -> "Committed":
+        """The first m columns of every (B, M, ...) field (m >= the largest count): what the decoder hands drafters
+        after a step, so a drafter runs over max(count) tokens rather than the deepest possible path."""
+        cut = lambda x: None if x is None else x[:, :m]  # noqa: E731
+        return dataclasses.replace(self, tokens=self.tokens[:, :m], next_tokens=self.next_tokens[:, :m],
+                                   final=cut(self.final), layers={i: h[:, :m] for i, h in self.layers.items()},
+                                   logits=cut(self.logits))
 
     def last(self, x: torch.Tensor) -> torch.Tensor:
         """Entry count-1 of a (B, M, ...) tensor per row: the value at the last committed token, (B, ...).

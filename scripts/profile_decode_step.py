@@ -5,7 +5,8 @@
 Builds a random verifier shaped like the embedded default (Llama, 8 layers, H=256, V=4096, GQA 4/2), a random
 one-layer EAGLE-3 drafter (2048-token draft vocabulary) and 4 Medusa heads, decodes one prompt greedily with each
 configuration and prints, per step: draft / verify / other milliseconds and the cost relative to one autoregressive
-step. Random weights give tau ~ 1, but a step's cost does not depend on how much is accepted (shapes are fixed), so
+step. Random weights give tau ~ 1; a step's cost depends on acceptance only through the drafter's forward over the
+accepted tokens, which `--accept-all` measures at its largest (a perfect drafter). So
   efficiency = t_autoregressive / t_step        (the most speedup / tau a drafter of any quality can reach)
   break-even tau = t_step / t_autoregressive    (below it, speculation is slower than plain decoding)
 Numbers are the best of `--repeats` interleaved runs (the machine is shared).
@@ -73,6 +74,20 @@ def decoder(verifier, drafter, heads, options: dict):
     return SpeculativeDecoder(verifier, make_drafter(method, verifier, draft, **options), method)
 
 
+def accept_everything(dec) -> None:
+    """Profiling only: every step accepts the deepest draft path (as a perfect drafter would), so the drafter's
+    per-step work (its forward over the accepted tokens) is measured at its largest. Outputs are meaningless."""
+    from eval.acceptance import Acceptance, _path_to
+
+    def accept(draft, out, sampling):
+        tree = draft.tree.expand(draft.tokens.shape[0])
+        deepest = tree.depth.argmax(-1)  # (B,)
+        a = tree.depth.gather(1, deepest[:, None])[:, 0]
+        return Acceptance(a, _path_to(tree, deepest, a), out.logits.argmax(-1).gather(1, deepest[:, None])[:, 0])
+
+    dec.accept = accept
+
+
 def step_times(dec, prompt: list[int], new_tokens: int) -> dict:
     """Per-step milliseconds of one greedy generate call."""
     stats = dec.generate([prompt], new_tokens, eos_token_id=None).stats
@@ -90,12 +105,17 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--accept-all", action="store_true",
+                        help="accept every draft in full (a perfect drafter's step cost; outputs meaningless)")
     args = parser.parse_args(argv)
     verifier, drafter, heads = build(dtype=getattr(torch, args.dtype))
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(3, verifier.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     names = ["autoregressive"] + [c for c in args.configs if c != "autoregressive"]
     decoders = {name: decoder(verifier, drafter, heads, CONFIGS[name]) for name in names}
+    if args.accept_all:
+        for dec in decoders.values():
+            accept_everything(dec)
     print("| threads | config | draft ms | verify ms | other ms | step ms | x AR step | efficiency |")
     print("|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
