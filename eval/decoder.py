@@ -178,7 +178,7 @@ class SpeculativeDecoder:
     `commit`)."""
 
     def __init__(self, verifier, drafter: Drafter | None = None, method: str | None = None, window_bucket: int = 64,
-                 sync_timings: bool = False):
+                 sync_timings: bool = False, fused: bool = False):
         from models.verifier import Verifier
 
         if isinstance(verifier, nn.Module) and not isinstance(verifier, Verifier):
@@ -190,6 +190,10 @@ class SpeculativeDecoder:
         self.window_bucket = window_bucket
         self.sync_timings = sync_timings
         """Synchronise the device around timed phases (exact per-phase timings on CUDA, slightly slower)."""
+        self.fused = fused
+        """Run `generate` through the fused CUDA loop (eval/cuda_loop.py: CUDA graphs, fused acceptance and KV
+        compaction kernels, one host sync per step); on the CPU it is the same loop with graphs off."""
+        self._fused_loop = None
         self.cache = None
         eos = verifier.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -199,7 +203,7 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, verifier, draft=None, method: str = "autoregressive", device=None, dtype=None,
-                        **method_options) -> "SpeculativeDecoder":
+                        fused: bool = False, **method_options) -> "SpeculativeDecoder":
         """verifier: a name/folder (`models.verifier.Verifier.from_pretrained`) or a Verifier; draft: what the
         method needs (a draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle')."""
         from models.verifier import Verifier
@@ -210,7 +214,7 @@ class SpeculativeDecoder:
         else:
             verifier = Verifier.from_pretrained(verifier, dtype=dtype, device=device)
         drafter = make_drafter(method, verifier, draft, device=device, dtype=dtype, **method_options)
-        return cls(verifier, drafter, method=method)
+        return cls(verifier, drafter, method=method, fused=fused)
 
     @property
     def device(self) -> torch.device:
@@ -368,6 +372,12 @@ class SpeculativeDecoder:
         nucleus (nothing else: no generation-config top-k). `seed` makes sampling reproducible. Rows stop after
         their first EOS (the verifier config's eos_token_id(s), or `eos_token_id`: an id, a list, or None).
         """
+        if self.fused:
+            if self._fused_loop is None:
+                from eval.cuda_loop import FusedDecoder  # imported here: eval.cuda_loop imports this module
+
+                self._fused_loop = FusedDecoder(self)
+            return self._fused_loop.generate(input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)
         prompts = self._prompts(input_ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")

@@ -54,6 +54,7 @@ class EagleTreeDrafter(Drafter):
     """An EAGLE-1/3 drafter (`models.eagle.EagleDrafter`) driven by the decode loop; see the module docstring."""
 
     name = "eagle"
+    capturable = True  # every step op is a device op on fixed buffers (eval/cuda_loop.py may graph it)
 
     def __init__(self, model, chain: int | None = None, depth: int = 6, top_k: int = 4, total_tokens: int = 16,
                  tree_sampling: str | None = None, window_bucket: int = 64):
@@ -123,8 +124,8 @@ class EagleTreeDrafter(Drafter):
             shape = (B, m.num_kv_heads, capacity, m.head_dim)
             self.cache_k = torch.zeros(shape, dtype=m.dtype, device=dev)
             self.cache_v = torch.zeros(shape, dtype=m.dtype, device=dev)
+            self._rows = torch.arange(B, device=dev)[:, None]  # a captured forward reads it: keep its address
         self.capacity = self.cache_k.shape[2]
-        self._rows = torch.arange(B, device=dev)[:, None]
         self._hidden = torch.zeros(B, 1, self.hidden_size, dtype=m.dtype, device=dev)
         self.draft_to_target = self.draft_to_target.to(dev)
         if self.chain:

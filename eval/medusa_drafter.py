@@ -42,6 +42,7 @@ class MedusaDrafter(Drafter):
     """Medusa heads drafting a static tree (paths of ranks); see the module docstring."""
 
     name = "medusa"
+    capturable = True  # every step op is a device op on fixed buffers (eval/cuda_loop.py may graph it)
     wants_final = True
 
     def __init__(self, heads, paths, tree_sampling: str = "topk", typical: tuple[float, float] | None = None,
