@@ -217,10 +217,13 @@ def test_micro_build_is_an_ordinary_hf_folder_that_writes_python(micro_dir):
 
 
 @pytest.mark.slow
-def test_micro_build_loads_as_verifier_with_eagle3_layers(micro_dir):
+def test_micro_build_loads_as_verifier_with_eagle3_layers(micro_dir, monkeypatch):
     from models.verifier import Verifier
 
     verifier = Verifier.from_pretrained(micro_dir)
+    monkeypatch.setenv("DRAFTHEADS_HOME", str(micro_dir.parent))  # where the embedded name finds the same build
+    by_name = Verifier.from_pretrained("tiny-micro")
+    assert by_name.path == micro_dir and by_name.fingerprint == verifier.fingerprint
     layers = verifier.default_eagle3_layers()
     verifier.check_layer_ids(layers)
     feats = verifier.features(torch.tensor([[0, 5, 6, 7]]), layer_ids=layers, return_logits=True)
