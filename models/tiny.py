@@ -370,6 +370,9 @@ def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
                   {"params": vectors, "weight_decay": 0.0}]
         opts = [torch.optim.AdamW(groups, lr=recipe.lr, **adamw_kw)]
     else:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"recipe {recipe.name!r} trains with torch.optim.Muon, which torch {torch.__version__} "
+                               "lacks (added in torch 2.9); upgrade torch")
         # "match_rms_adamw" scales Muon's orthogonal update to AdamW's size, so one lr serves both
         muon = torch.optim.Muon(layer_mats, lr=recipe.lr, weight_decay=recipe.weight_decay, momentum=0.95,
                                 nesterov=True, adjust_lr_fn="match_rms_adamw")
