@@ -370,6 +370,9 @@ def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
                   {"params": vectors, "weight_decay": 0.0}]
         opts = [torch.optim.AdamW(groups, lr=recipe.lr, **adamw_kw)]
     else:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"recipe {recipe.name!r} trains with torch.optim.Muon, which torch {torch.__version__} "
+                               "lacks (added in torch 2.9); upgrade torch")
         # "match_rms_adamw" scales Muon's orthogonal update to AdamW's size, so one lr serves both
         muon = torch.optim.Muon(layer_mats, lr=recipe.lr, weight_decay=recipe.weight_decay, momentum=0.95,
                                 nesterov=True, adjust_lr_fn="match_rms_adamw")
@@ -416,7 +419,8 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
     log_every = max(1, min(25, recipe.steps // 20))
     bar = _bar(total=recipe.steps, desc=f"training {recipe.name}", unit="step")
     start = last = time.perf_counter()
-    fastest = 0.0  # best steps/s over one log interval: what a quiet machine does when this one is shared
+    cpu_start = time.process_time()
+    fastest = 0.0  # best steps/s over one log interval: a hint of the speed without other jobs on the machine
     load_before = _load_average()
     curve: list[tuple[int, float]] = []  # (step, mean loss over the last log interval)
     for step, batch in enumerate(training_batches(stream, recipe.seq_len, recipe.batch_size, recipe.steps, seed)):
@@ -449,11 +453,12 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
             bar.set_postfix(loss=f"{float(recent):.3f}", tok_s=f"{tokens / (now - start):.0f}")
     bar.close()
     seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
     tail = max(1, recipe.steps // 20)
     tokens = recipe.steps * recipe.batch_size * recipe.seq_len
     return model.eval(), {
         "params": n_params, "precision": "bf16" if amp else "fp32", "threads": torch.get_num_threads(),
-        "train_tokens": tokens, "train_seconds": round(seconds, 2),
+        "train_tokens": tokens, "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 1),
         "train_tokens_per_s": round(tokens / seconds, 1), "steps_per_s": round(recipe.steps / seconds, 3),
         "train_loss": round(float(losses[-tail:].mean()), 4),
         "fastest_steps_per_s": round(fastest or recipe.steps / seconds, 3),
@@ -506,9 +511,6 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id, do_sample=False)
-    with _transformers_bars_off():
-        model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
     info = {
         "recipe_name": recipe.name, "recipe_hash": recipe.digest(), "seed": seed, "recipe": dataclasses.asdict(recipe),
         "builder_version": BUILDER_VERSION,
@@ -520,8 +522,15 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
         "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
                      "tokenizers": _version("tokenizers")},
     }
-    (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")
-    _replace_folder(tmp, out)
+    try:
+        with _transformers_bars_off():
+            model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")  # written last: marks a finished build
+        _replace_folder(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -664,9 +673,11 @@ def summary(folder: str | Path) -> str:
                      f"training {fig['train_seconds']:.0f}s, held-out eval {held.get('seconds', 0):.0f}s)")
         if fig.get("fastest_steps_per_s"):
             quiet = fig["total_seconds"] - fig["train_seconds"] + info["recipe"]["steps"] / fig["fastest_steps_per_s"]
+            cpu = (f"training used {fig['train_cpu_seconds']:.0f} CPU-seconds on {fig['threads']} threads; "
+                   if "train_cpu_seconds" in fig else "")
             lines.append(f"  load average {fig['load_average'][0]} -> {fig['load_average'][1]} (CPUs: {_cpu_count()}); "
-                         f"at its fastest interval ({fig['fastest_steps_per_s']:.2f} steps/s) the build would take "
-                         f"{quiet:.0f}s")
+                         f"{cpu}at its fastest interval ({fig['fastest_steps_per_s']:.2f} steps/s) the build would "
+                         f"take {quiet:.0f}s")
     return "\n".join(lines)
 
 

@@ -156,14 +156,30 @@ def test_assistant_mask_is_exactly_the_assistant_content_and_its_end_token(small
 
 
 # ---- builds (slow) -----------------------------------------------------------------------------------------------------
+def _cli(*args: str, home: Path | None = None, quiet: bool = True) -> subprocess.CompletedProcess:
+    """`python -m models.tiny ...` in a child process, as users (and `ensure_built`) run it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DRAFTHEADS_QUIET": "1" if quiet else "0"}
+    if home is not None:
+        env["DRAFTHEADS_HOME"] = str(home)
+    proc = subprocess.run([sys.executable, "-m", "models.tiny", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _toy_recipe(**changes) -> tiny.Recipe:
+    return tiny.get_recipe("micro", **{**TOY, "name": "tiny-toy", **changes})
+
+
+def _toy_json(**changes) -> str:
+    return json.dumps(dataclasses.asdict(_toy_recipe(**changes)))
+
+
 @pytest.fixture(scope="module")
 def micro_dir(tmp_path_factory):
     """`python -m models.tiny build --recipe micro --out DIR`, as a user runs it."""
     out = tmp_path_factory.mktemp("micro") / "tiny-micro"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "models.tiny", "build", "--recipe", "micro", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _cli("build", "--recipe", "micro", "--out", str(out))
     assert "held-out bits per byte" in proc.stdout and "tokens/s" in proc.stdout
     return out
 
@@ -189,49 +205,50 @@ def test_micro_build_is_an_ordinary_hf_folder_that_writes_python(micro_dir):
         out = m.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=eos)
         return tok.decode(out[0, ids.shape[1]:])
 
-    texts = [greedy(model, p) for p in ("def ", "import os\n\n\nclass ", "    def __init__(self")]
-    assert sum(looks_like_python(t) for t in texts) >= 2, texts
+    # Prompts end without a space: BPE words carry their leading space, so "def " would end on a lone-space token
+    # that the corpus almost never has there.
+    prompts = ("def", "    def", "    if", "    return", "import os\n\n\nclass")
+    texts = [greedy(model, p) for p in prompts]
+    assert sum(looks_like_python(t) for t in texts) >= 3, texts
     # the check can fail: an untrained model of the same shape does not pass it
     torch.manual_seed(0)
     untrained = AutoModelForCausalLM.from_config(config).eval()
-    assert sum(looks_like_python(greedy(untrained, p)) for p in ("def ", "import os\n\n\nclass ")) == 0
+    assert sum(looks_like_python(greedy(untrained, p)) for p in prompts) <= 1
 
 
 @pytest.mark.slow
-def test_micro_build_loads_as_verifier_with_eagle3_layers(micro_dir):
+def test_micro_build_loads_as_verifier_with_eagle3_layers(micro_dir, monkeypatch):
     from models.verifier import Verifier
 
     verifier = Verifier.from_pretrained(micro_dir)
+    monkeypatch.setenv("DRAFTHEADS_HOME", str(micro_dir.parent))  # where the embedded name finds the same build
+    by_name = Verifier.from_pretrained("tiny-micro")
+    assert by_name.path == micro_dir and by_name.fingerprint == verifier.fingerprint
     layers = verifier.default_eagle3_layers()
     verifier.check_layer_ids(layers)
     feats = verifier.features(torch.tensor([[0, 5, 6, 7]]), layer_ids=layers, return_logits=True)
     assert feats.logits.shape == (1, 4, verifier.vocab_size)
     info = tiny.read_build_info(micro_dir)
     assert info["recipe_hash"] == tiny.get_recipe("micro").digest()
-    assert 0 < info["held_out"]["bits_per_byte"] < 8
+    assert 0 < info["held_out"]["bits_per_byte"] < 3.2  # an untrained model scores ~3.5 (log2 1024 / 2.85 bytes)
 
 
 @pytest.mark.slow
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path):
-    a = tiny.build("micro", tmp_path / "a", seed=0, **TOY)
-    b = tiny.build("micro", tmp_path / "b", seed=0, **TOY)
-    c = tiny.build("micro", tmp_path / "c", seed=1, **TOY)
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for out, seed in ((a, 0), (b, 0), (c, 1)):
+        _cli("build", "--recipe-json", _toy_json(), "--out", str(out), "--seed", str(seed))
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
     assert (a / "tokenizer.json").read_bytes() == (c / "tokenizer.json").read_bytes()  # the seed is the model's
 
 
-@pytest.mark.slow
 def test_build_refuses_to_overwrite_a_foreign_folder(tmp_path):
     (tmp_path / "mine.txt").write_text("keep me")
     with pytest.raises(FileExistsError, match="not a tiny verifier build"):
         tiny.build("micro", tmp_path, **TOY)
     assert (tmp_path / "mine.txt").read_text() == "keep me"
-
-
-def _toy_recipe(**changes) -> tiny.Recipe:
-    return tiny.get_recipe("micro", **{**TOY, "name": "tiny-toy", **changes})
 
 
 @pytest.mark.slow
@@ -254,25 +271,20 @@ def test_ensure_built_uses_the_home_builds_once_and_rebuilds_a_changed_recipe(tm
 @pytest.mark.slow
 def test_concurrent_ensure_built_builds_once(tmp_path):
     """Two processes ask at once: one builds, the other waits and finds the finished folder."""
-    recipe = _toy_recipe()
-    code = ("import sys, json; from models import tiny; "
-            "print(tiny.ensure_built(tiny.Recipe(**json.loads(sys.argv[1]))))")
+    code = "import sys, json; from models import tiny; print(tiny.ensure_built(tiny.Recipe(**json.loads(sys.argv[1]))))"
     env = {**os.environ, "DRAFTHEADS_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "0"}
-    procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps(dataclasses.asdict(recipe))], cwd=ROOT,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", code, _toy_json()], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
     assert {out.strip() for out, _ in outs} == {str(tmp_path / "tiny-toy")}
     assert sum("building the embedded verifier" in err for _, err in outs) == 1
-    assert tiny.is_current(tmp_path / "tiny-toy", recipe)
+    assert tiny.is_current(tmp_path / "tiny-toy", _toy_recipe())
 
 
 @pytest.mark.slow
-def test_path_command_prints_only_the_folder(tmp_path):
-    recipe = _toy_recipe()
-    tiny.ensure_built(recipe, home=tmp_path)  # already built: `path` just answers
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "models.tiny", "path", "--home", str(tmp_path), "--recipe-json",
-                           json.dumps(dataclasses.asdict(recipe))], cwd=ROOT, env=env, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"{tmp_path / 'tiny-toy'}\n"
+def test_path_command_builds_then_prints_only_the_folder(tmp_path):
+    for _ in range(2):  # builds, then answers from the cache; logs and bars go to stderr, never into `$(... path)`
+        proc = _cli("path", "--recipe-json", _toy_json(), home=tmp_path, quiet=False)
+        assert proc.stdout == f"{tmp_path / 'tiny-toy'}\n"
+    assert tiny.is_current(tmp_path / "tiny-toy", _toy_recipe())
