@@ -27,8 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-#: Bytes of one (C, V) fp32 chunk buffer; about six of them are alive at once.
-CHUNK_BYTES = 1 << 26
+#: Bytes of one (C, V) fp32 chunk buffer; about five of them are alive at once. Not smaller: every chunk adds a
+#: (V, H) product into grad_W, and below ~1k rows (Llama-3: 128k x 4k) that read-modify-write costs a GPU more time
+#: than the chunk's matmul itself. 512 MB gives 1024 rows at V = 128k, and the whole batch at small vocabularies.
+CHUNK_BYTES = 1 << 29
 
 
 @dataclass
@@ -104,7 +106,10 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
             if grad_x is not None:
                 grad_x[start:stop] = (g @ w_mm).to(x.dtype)  # (C, H)
             if grad_w is not None:
-                grad_w += (g.T @ x_c).to(acc)  # (V, H)
+                if mm == acc:
+                    grad_w.addmm_(g.T, x_c)  # (V, H), accumulated in place
+                else:
+                    grad_w += g.T @ x_c  # a bf16/fp16 product, added into the fp32 sum
     return loss, ce_sum, kl_sum, hits, grad_x, grad_w
 
 

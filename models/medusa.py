@@ -376,8 +376,8 @@ def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torc
 def medusa2_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, reference_logits: torch.Tensor,
                    heads: MedusaHeads, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                    mode: Literal["labels", "distill"] = "labels", decay: float = 0.8, lm_weight: float = 1.0,
-                   kl_weight: float = 1.0, heads_weight: float = 0.2, chunk_rows: int | None = None
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadLosses]:
+                   kl_weight: float = 1.0, heads_weight: float = 0.2, max_rank: int = 1,
+                   chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadLosses]:
     """`medusa2_loss` from the adapted verifier's hidden state (B, T, H) instead of its logits.
 
     lm_head_weight (V, H) is the verifier's output projection (frozen or not); reference_logits (B, T, V) come from
@@ -394,7 +394,7 @@ def medusa2_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, reference
     if mode == "distill":
         with torch.no_grad():
             adapted = hidden.detach() @ lm_head_weight.T  # (B, T, V)
-    head = medusa_head_losses(heads, hidden, input_ids, loss_mask, mode, adapted, decay, chunk_rows=chunk_rows)
+    head = medusa_head_losses(heads, hidden, input_ids, loss_mask, mode, adapted, decay, max_rank, chunk_rows)
     loss = own.loss + heads_weight * head.loss
     return loss, {"lm": own.ce, "kl": own.kl, "heads": head.loss.detach()}, head
 
