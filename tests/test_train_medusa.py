@@ -123,6 +123,9 @@ def test_interrupted_and_resumed_run_equals_a_straight_run(verifier_dir, tmp_pat
     assert [s for s, _ in losses_b] == [1, 2, 3, 4, 4, 5, 6]
     values = [v for _, v in losses_b]
     assert values[:4] + values[5:] == losses_a and values[3] == values[4]
+    evals_a = [r for r in records(tmp_path / "straight") if "eval/loss" in r]
+    evals_b = [r for r in records(tmp_path / "resumed") if "eval/loss" in r]
+    assert evals_a == evals_b  # held-out metrics at steps 3 and 6 and the final pass, identical
 
 
 def test_medusa2_exports_an_adapter_that_loads_back(verifier_dir, tmp_path):
