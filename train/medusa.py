@@ -4,8 +4,7 @@
     accelerate launch train/medusa.py --config configs/medusa-tiny.yaml --train.max_steps=50 --medusa.num_heads=3
     accelerate launch train/medusa.py --config configs/medusa2-tiny.yaml        # Medusa-2 (medusa.joint: true)
 
-(`python train/medusa.py ...` is the same run in one process; run from the repository root with the project
-installed, `pip install -e .`, or with PYTHONPATH=. .)
+(`python train/medusa.py ...` is the same run in one process.)
 
 Each step runs the verifier on a batch under no-grad (its final post-norm hidden state h_t is what the heads read),
 then head k's logits at t are scored against token t+k+2: cross-entropy with the data (`medusa.loss: labels`) or KL
@@ -24,15 +23,19 @@ reads; Medusa-2 adds `adapter/`). The run folder also holds config.yaml, metrics
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from models.medusa import (HeadLosses, MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config,
-                           build_medusa_tree, expected_accepted_length, medusa2_losses, medusa_head_losses,
-                           save_medusa)
+if __package__ in (None, ""):  # run as a file (`accelerate launch train/medusa.py`) from a checkout: find the packages
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config, build_medusa_tree,
+                           expected_accepted_length, medusa2_losses, medusa_head_losses, save_medusa)
 from models.verifier import Verifier, VerifierFeatures
 from train.config import ConfigError, RunConfig, main_guard
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
