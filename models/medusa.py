@@ -66,6 +66,7 @@ from models.export import (
     require_keys,
     write_drafter,
 )
+from models.linear_loss import linear_loss
 from models.verifier import Verifier, VerifierError, check_drafter_matches
 
 METHOD = "medusa"
@@ -303,6 +304,99 @@ def medusa2_loss(logits: torch.Tensor, reference_logits: torch.Tensor, head_logi
                                   logits.detach() if mode == "distill" else None, decay, segment_ids)
     loss = lm_weight * lm + kl_weight * kl + heads_weight * heads
     return loss, {"lm": lm.detach(), "kl": kl.detach(), "heads": heads.detach(), "per_head": per_head}
+
+
+# ---- the same losses for training: chunked, no (K, B, T, V) logits ----------------------------------------------
+# `medusa_loss` / `medusa2_loss` above take materialised logits and are the readable reference (the tests compare
+# against them). The trainer uses these, which give the same values and gradients through `linear_loss`: each head's
+# logits exist only as (C, V) chunks, so peak memory does not grow with K·B·T·V (see models/linear_loss.py).
+
+@dataclass
+class HeadLosses:
+    """Per-head results of `medusa_head_losses` (everything but `loss` is detached; sums add across batches)."""
+
+    loss: torch.Tensor
+    """() Σ_k decay^k · L_k, differentiable."""
+    per_head: torch.Tensor
+    """(K,) L_k: mean CE (labels) or KL (distill) of head k over its valid positions."""
+    hits: torch.Tensor
+    """(K, R) valid positions where token t+k+2 is head k's rank-r prediction."""
+    counts: torch.Tensor
+    """(K,) valid positions of head k."""
+
+
+def target_weights(loss_mask: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w (B, T), count ()) for predicting token t+shift from position t: w = valid / count, valid as in
+    `_shifted_targets` (t+shift < T and loss_mask at the target), zero elsewhere, so Σ w·loss is the masked mean."""
+    B, T = loss_mask.shape
+    valid = torch.zeros(B, T, dtype=torch.float32, device=loss_mask.device)
+    valid[:, :max(T - shift, 0)] = loss_mask[:, shift:].float()
+    count = valid.sum()
+    return valid / count.clamp(min=1), count
+
+
+def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                       mode: Literal["labels", "distill"] = "labels", verifier_logits: torch.Tensor | None = None,
+                       decay: float = 0.8, max_rank: int = 1, chunk_rows: int | None = None) -> HeadLosses:
+    """`medusa_loss(heads(hidden), ...)` without the (K, B, T, V) logits, plus rank hits for accuracy.
+
+    hidden (B, T, H) the verifier's final post-norm state; input_ids, loss_mask (B, T); verifier_logits (B, T, V)
+    for `distill`. Under `torch.no_grad()` it is the held-out evaluation (max_rank=R gives what the tree needs).
+    Rows are flattened to N = B·T and head k's position i is paired with token i+k+2 and teacher row i+k+1 by
+    offset views; pairs that would cross into the next sequence have weight 0, so nothing (N, V) is copied.
+    """
+    if mode not in ("labels", "distill"):
+        raise ValueError(f"medusa loss mode {mode!r}: expected 'labels' or 'distill'")
+    if mode == "distill" and verifier_logits is None:
+        raise ValueError("medusa loss mode 'distill' needs verifier_logits (B, T, V)")
+    B, T = input_ids.shape
+    N, H, V = B * T, heads.hidden_size, heads.vocab_size
+    hidden = hidden.to(heads.dtype)
+    ids = input_ids.reshape(N)
+    teacher_all = verifier_logits.reshape(N, V) if mode == "distill" else None
+    losses, hits, counts = [], [], []
+    for k, (block, lm_head) in enumerate(zip(heads.blocks, heads.lm_heads)):
+        shift = k + 2
+        n = max(N - shift, 0)
+        w, count = target_weights(loss_mask, shift)  # (B, T)
+        x = block(hidden).reshape(N, H)[:n]  # (n, H)
+        teacher = teacher_all[shift - 1:shift - 1 + n] if teacher_all is not None else None  # (n, V) view
+        out = linear_loss(x, lm_head.weight, ids[shift:], w.reshape(N)[:n], teacher,
+                          ce_weight=float(mode == "labels"), kl_weight=float(mode == "distill"),
+                          max_rank=max_rank, chunk_rows=chunk_rows)
+        losses.append(out.loss)
+        hits.append(out.hits)
+        counts.append(count)
+    per_head = torch.stack(losses)  # (K,)
+    weights = decay ** torch.arange(len(losses), device=per_head.device, dtype=per_head.dtype)
+    return HeadLosses(loss=(weights * per_head).sum(), per_head=per_head.detach(), hits=torch.stack(hits),
+                      counts=torch.stack(counts))
+
+
+def medusa2_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, reference_logits: torch.Tensor,
+                   heads: MedusaHeads, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                   mode: Literal["labels", "distill"] = "labels", decay: float = 0.8, lm_weight: float = 1.0,
+                   kl_weight: float = 1.0, heads_weight: float = 0.2, max_rank: int = 1,
+                   chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadLosses]:
+    """`medusa2_loss` from the adapted verifier's hidden state (B, T, H) instead of its logits.
+
+    lm_head_weight (V, H) is the verifier's output projection (frozen or not); reference_logits (B, T, V) come from
+    the verifier with adapters disabled. Returns (loss, parts {lm, kl, heads} detached, the head results).
+    In `distill` mode the heads learn the adapted verifier's distribution, computed here once without grad.
+    """
+    B, T = input_ids.shape
+    N, V = B * T, lm_head_weight.shape[0]
+    w, _ = target_weights(loss_mask, 1)  # (B, T)
+    own = linear_loss(hidden.reshape(N, -1)[:N - 1], lm_head_weight, input_ids.reshape(N)[1:], w.reshape(N)[:N - 1],
+                      reference_logits.reshape(N, V)[:N - 1], ce_weight=lm_weight, kl_weight=kl_weight,
+                      chunk_rows=chunk_rows)
+    adapted = None
+    if mode == "distill":
+        with torch.no_grad():
+            adapted = hidden.detach() @ lm_head_weight.T  # (B, T, V)
+    head = medusa_head_losses(heads, hidden, input_ids, loss_mask, mode, adapted, decay, max_rank, chunk_rows)
+    loss = own.loss + heads_weight * head.loss
+    return loss, {"lm": own.ce, "kl": own.kl, "heads": head.loss.detach()}, head
 
 
 # ---- held-out metrics (on device, no host sync) ----------------------------------------------------------------

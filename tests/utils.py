@@ -41,6 +41,21 @@ def save_tiny_verifier(folder: str | Path, family: str = "llama", seed: int = 0,
     return folder
 
 
+def save_tiny_verifier_with_tokenizer(folder: str | Path, family: str = "llama", seed: int = 0,
+                                      **overrides) -> Path:
+    """A random tiny verifier and a small byte-level BPE tokenizer (tests/chat_tokenizers.py) in one folder, so
+    `train.loop.load_verifier` (and any trainer) can use it as `verifier: <folder>`."""
+    from tests.chat_tokenizers import plain_tokenizer
+
+    tokenizer = plain_tokenizer()
+    vocab = -(-len(tokenizer) // 64) * 64  # rounded up, as real vocabularies are
+    overrides = {"vocab_size": vocab, "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.eos_token_id,
+                 **overrides}
+    folder = save_tiny_verifier(folder, family, seed, **overrides)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def peaked_model(family: str = "llama", seed: int = 0, **overrides):
     """A tiny random model with larger weights (init std 0.1): peaked next-token distributions and varied greedy
     continuations, so drafts are accepted or rejected for real."""

@@ -86,14 +86,15 @@ def init_wandb(accelerator, cfg: RunConfig) -> None:
     accelerator.init_trackers(project, config=config_dict(cfg), init_kwargs={"wandb": init_kwargs})
 
 
-def log_table(accelerator, key: str, columns: list[str], rows: list[list]) -> None:
-    """A wandb table (e.g. per-head accuracy); no-op without wandb. Main process only."""
+def log_table(accelerator, key: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
+    """A wandb table (e.g. per-head accuracy) at `step` (the training step; None: wandb's own counter); no-op
+    without wandb. Main process only."""
     if not accelerator.is_main_process or not accelerator.log_with:
         return
     import wandb
 
     tracker = accelerator.get_tracker("wandb", unwrap=True)
-    tracker.log({key: wandb.Table(columns=columns, data=rows)})
+    tracker.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
 
 def load_verifier(cfg: RunConfig, device):

@@ -1,0 +1,158 @@
+"""The loss of a linear layer's logits without ever holding all of them: only (C, V) chunks exist at a time.
+
+    out = linear_loss(x, weight, target, token_weight, teacher_logits=None, ce_weight=1.0, kl_weight=0.0)
+    out.loss.backward()
+
+x (N, H) @ weight (V, H)^T gives logits (N, V); the loss is
+
+    Σ_i w_i · [ce_weight · CE(logits_i, target_i) + kl_weight · KL(softmax(teacher_logits_i) || softmax(logits_i))]
+
+with w = token_weight (N,) (put valid / count there for a masked mean). Why: a drafter head over a real vocabulary
+is huge at the logits. Llama-3 with B·T = 16k tokens and V = 128k holds 8.4 GB of fp32 logits per head, and autograd
+keeps them (plus softmax, plus their gradient) until backward; four Medusa heads would need far more than the GPU
+has. Here each chunk of C rows computes its logits, its loss, and right away its gradient (softmax − one-hot, or
+softmax − teacher), turned into grad_x = g @ W (C, H) and grad_W += g^T @ x (V, H); the logits are then dropped.
+The forward does the backward's matmuls, so nothing is recomputed: the FLOPs equal plain autograd's, peak memory
+is a few (C, V) buffers plus one (V, H) gradient. Backward only scales the stored gradients by the upstream scalar.
+
+Also returned, detached, for logging: the CE and KL parts and `hits` (R,) = how many rows with w > 0 have their
+target at rank r of the logits (top-1 accuracy is hits[0] / rows). Under `torch.no_grad()` (or when neither x
+nor weight needs grad) the same chunks run without any gradient work: that is the held-out evaluation path.
+Works under autocast (the matmuls run in the autocast dtype, the softmax in fp32) and with frozen weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Bytes of one (C, V) fp32 chunk buffer; about five of them are alive at once. Not smaller: every chunk adds a
+#: (V, H) product into grad_W, and below ~1k rows (Llama-3: 128k x 4k) that read-modify-write costs a GPU more time
+#: than the chunk's matmul itself. 512 MB gives 1024 rows at V = 128k, and the whole batch at small vocabularies.
+CHUNK_BYTES = 1 << 29
+
+
+@dataclass
+class LinearLossOut:
+    """What `linear_loss` returns."""
+
+    loss: torch.Tensor
+    """() Σ w·(ce_weight·CE + kl_weight·KL), differentiable w.r.t. x and weight."""
+    ce: torch.Tensor
+    """() Σ w·CE, detached."""
+    kl: torch.Tensor
+    """() Σ w·KL(teacher || student), detached (0 without a teacher)."""
+    hits: torch.Tensor
+    """(R,) rows with w > 0 whose target is the rank-r prediction, detached."""
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    return max(16, CHUNK_BYTES // (4 * vocab_size))
+
+
+def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return weight.dtype
+
+
+def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows, grads):
+    """The shared loop: yields nothing, returns sums (and gradients when `grads`)."""
+    N = x.shape[0]
+    mm = _matmul_dtype(x, weight)
+    acc = torch.promote_types(mm, torch.float32)  # softmax and sums: fp32 (fp64 when the inputs are)
+    w_mm = weight.to(mm)
+    loss = x.new_zeros((), dtype=acc)
+    ce_sum, kl_sum = loss.clone(), loss.clone()
+    hits = x.new_zeros((max_rank,), dtype=torch.float32)
+    grad_x = torch.empty_like(x) if grads and x.requires_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
+        if grads and weight.requires_grad else None
+    with torch.autocast(x.device.type, enabled=False):  # dtypes are explicit below
+        for start in range(0, N, chunk_rows):
+            stop = min(start + chunk_rows, N)
+            x_c = x[start:stop].to(mm)  # (C, H)
+            t_c, w_c = target[start:stop], token_weight[start:stop].to(acc)  # (C,)
+            logits = (x_c @ w_mm.T).to(acc)  # (C, V)
+            log_q = torch.log_softmax(logits, dim=-1)
+            ce = -log_q.gather(-1, t_c[:, None]).squeeze(-1)  # (C,)
+            ce_sum += (w_c * ce).sum()
+            total = ce_weight * ce
+            p = None
+            if kl_weight:
+                log_p = torch.log_softmax(teacher_logits[start:stop].to(acc), dim=-1)  # (C, V)
+                p = log_p.exp()
+                # where p underflows to 0 (or the teacher masks a token with -inf) the term is 0, not nan
+                kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (C,)
+                del log_p
+                kl_sum += (w_c * kl).sum()
+                total = total + kl_weight * kl
+            loss += (w_c * total).sum()
+            if max_rank:
+                top = logits.topk(max_rank, dim=-1).indices if max_rank > 1 else logits.argmax(-1, keepdim=True)
+                hits += ((top == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
+            if grad_x is None and grad_w is None:
+                continue
+            # d/dlogits of ce_weight·CE + kl_weight·KL = (ce_weight + kl_weight)·q − ce_weight·onehot − kl_weight·p
+            g = log_q.exp_().mul_(ce_weight + kl_weight)  # (C, V), reuses log_q's memory
+            del logits
+            g.scatter_add_(-1, t_c[:, None], torch.full_like(ce[:, None], -ce_weight))
+            if p is not None:
+                g.sub_(p, alpha=kl_weight)
+                del p
+            g.mul_(w_c[:, None])
+            g = g.to(mm)
+            if grad_x is not None:
+                grad_x[start:stop] = (g @ w_mm).to(x.dtype)  # (C, H)
+            if grad_w is not None:
+                if mm == acc:
+                    grad_w.addmm_(g.T, x_c)  # (V, H), accumulated in place
+                else:
+                    grad_w += g.T @ x_c  # a bf16/fp16 product, added into the fp32 sum
+    return loss, ce_sum, kl_sum, hits, grad_x, grad_w
+
+
+class _LinearLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows):
+        loss, ce, kl, hits, grad_x, grad_w = _chunks(x, weight, target, token_weight, teacher_logits, ce_weight,
+                                                     kl_weight, max_rank, chunk_rows, grads=True)
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if grad_w is not None else None)
+        ctx.mark_non_differentiable(ce, kl, hits)
+        return loss, ce, kl, hits
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grad_x, grad_w = ctx.saved_tensors
+        grad_x = grad_x * grad_loss.to(grad_x.dtype) if grad_x is not None else None
+        grad_w = grad_w * grad_loss.to(grad_w.dtype) if grad_w is not None else None
+        return grad_x, grad_w, None, None, None, None, None, None, None
+
+
+def linear_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
+                teacher_logits: torch.Tensor | None = None, ce_weight: float = 1.0, kl_weight: float = 0.0,
+                max_rank: int = 1, chunk_rows: int | None = None) -> LinearLossOut:
+    """Σ w·(ce_weight·CE + kl_weight·KL) of logits x @ weight^T, chunked (see the module doc).
+
+    x (N, H); weight (V, H); target (N,) token ids (always needed: accuracy is counted against them);
+    token_weight (N,); teacher_logits (N, V) (needed when kl_weight > 0; never gets a gradient). Rows may be views
+    into larger tensors: nothing of size (N, V) is copied.
+    """
+    N, V = x.shape[0], weight.shape[0]
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear_loss: x {tuple(x.shape)} and weight {tuple(weight.shape)}: expected (N, H), (V, H)")
+    if target.shape != (N,) or token_weight.shape != (N,):
+        raise ValueError(f"linear_loss: target {tuple(target.shape)} and token_weight {tuple(token_weight.shape)}: "
+                         f"expected ({N},)")
+    if kl_weight and (teacher_logits is None or teacher_logits.shape != (N, V)):
+        raise ValueError(f"linear_loss: kl_weight={kl_weight} needs teacher_logits of shape ({N}, {V})")
+    chunk_rows = chunk_rows or default_chunk_rows(V)
+    teacher_logits = teacher_logits.detach() if teacher_logits is not None else None
+    args = (x, weight, target, token_weight.detach(), teacher_logits, float(ce_weight), float(kl_weight),
+            int(max_rank), int(chunk_rows))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        loss, ce, kl, hits = _LinearLoss.apply(*args)
+    else:
+        loss, ce, kl, hits, _, _ = _chunks(*args, grads=False)
+    return LinearLossOut(loss=loss, ce=ce, kl=kl, hits=hits)

@@ -1,0 +1,221 @@
+"""Training throughput against the verifier's own speed: train tokens/s ÷ verifier forward-only tokens/s.
+
+    python scripts/bench_train.py --method medusa                        # tiny-code, configs/medusa-tiny.yaml
+    python scripts/bench_train.py --method medusa --verifier ./my-model --train.batch_size=4 --data.seq_len=1024
+    python scripts/bench_train.py --method medusa --repeats 7 --out runs/bench-medusa.json
+
+A drafter trainer runs the frozen verifier on every batch, so the verifier's plain forward is the floor of a
+training step's cost; the ratio says how much of the verifier's speed training keeps (1.0: the drafter is free).
+Both sides run on the same batches in one process: a warm-up of each, then `--repeats` rounds that time the
+verifier forward over the batches and the full training step (verifier features under no-grad, drafter forward,
+backward, clipping, optimizer step) over the same batches, alternating which goes first. Reported: the median
+ratio of the rounds and its spread (min, max), with both tokens/s; JSON to --out.
+
+"Verifier forward-only" is the verifier's whole forward with its lm_head (what plain decoding pays per token),
+under inference mode. Any option the method's trainer takes (`--verifier`, `--train.batch_size`,
+`--data.seq_len`, `--train.mixed_precision`, `--medusa.num_heads`, ...) is passed through to its config.
+
+Adding a method: write `def <name>_step(cfg, verifier) -> Callable[[batch], None]` building that trainer's
+trainable part and optimizer from its own code, and register it in METHODS with its config class and default
+config file; the measurement below is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as `python scripts/bench_train.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+Step = Callable[[dict], None]
+
+
+# ---- per-method training steps (each from its trainer's own pieces) -------------------------------------------
+def medusa_step(cfg, verifier) -> Step:
+    """One Medusa optimizer step: train/medusa.py's features, objective, clipping and AdamW (Medusa-1 or -2)."""
+    from models.medusa import MedusaHeads, MedusaJoint, add_lora_from_config
+    from train.loop import build_optimizer
+    from train.medusa import HeadsObjective, JointObjective, batch_features
+
+    heads = MedusaHeads.from_config(cfg.medusa, verifier)
+    if cfg.medusa.joint:
+        add_lora_from_config(verifier, cfg.medusa)
+        joint = MedusaJoint(verifier, heads)
+        model = JointObjective(joint, cfg.medusa)
+        optimizer = build_optimizer(joint.param_groups(cfg.train.lr, cfg.medusa.head_lr_multiplier), cfg)
+    else:
+        model = HeadsObjective(heads, cfg.medusa)
+        optimizer = build_optimizer(heads, cfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(batch: dict) -> None:
+        with autocast(cfg, verifier.device):
+            loss, _, _ = model(batch_features(verifier, batch, cfg), batch)
+        loss.backward()
+        if cfg.train.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+@dataclass(frozen=True)
+class Method:
+    config_class: str
+    """`module:Class` of the trainer's root config."""
+    default_config: str
+    """YAML (relative to the repository root) the benchmark starts from."""
+    build_step: Callable
+    """(cfg, verifier) -> step(batch)."""
+
+
+METHODS: dict[str, Method] = {
+    "medusa": Method("train.medusa:MedusaRunConfig", "configs/medusa-tiny.yaml", medusa_step),
+}
+
+
+# ---- the shared measurement ------------------------------------------------------------------------------------
+def autocast(cfg, device: torch.device):
+    """The trainer's mixed precision (accelerate's autocast) for a step run outside an Accelerator."""
+    enabled = cfg.train.mixed_precision != "no"
+    dtype = torch.bfloat16 if cfg.train.mixed_precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[dict], object], batches: list[dict], device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    for batch in batches:
+        fn(batch)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int) -> dict:
+    """Alternate timed rounds of the verifier forward and the train step over the same batches."""
+    device = verifier.device
+
+    @torch.inference_mode()
+    def forward(batch: dict) -> None:
+        verifier.features(batch["input_ids"], batch["attention_mask"], return_logits=True)
+
+    tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
+    for _ in range(warmup):
+        timed(forward, batches, device)
+        timed(step, batches, device)
+    rounds = []
+    for r in range(repeats):
+        order = ("forward", "train") if r % 2 == 0 else ("train", "forward")  # cancel slow drifts of the machine
+        seconds = {name: timed(forward if name == "forward" else step, batches, device) for name in order}
+        rounds.append({"forward_tokens_per_s": tokens / seconds["forward"],
+                       "train_tokens_per_s": tokens / seconds["train"],
+                       "ratio": seconds["forward"] / seconds["train"]})
+    ratios = [r["ratio"] for r in rounds]
+    return {
+        "tokens_per_round": tokens,
+        "rounds": rounds,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "forward_tokens_per_s_median": statistics.median(r["forward_tokens_per_s"] for r in rounds),
+        "train_tokens_per_s_median": statistics.median(r["train_tokens_per_s"] for r in rounds),
+    }
+
+
+def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]:
+    from train.loop import get_dataloaders
+
+    train_dl, _ = get_dataloaders(cfg, tokenizer)
+    batches = []
+    for batch in train_dl:
+        batches.append({k: v.to(device) for k, v in batch.items()})
+        if len(batches) == count:
+            return batches
+    if not batches:
+        raise SystemExit("no training batches: lower --train.batch_size or add data")
+    return batches
+
+
+def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches: int = 4,
+        device: str | None = None, out: str | None = None) -> dict:
+    from train.config import parse_config
+    from train.loop import load_verifier
+
+    spec = METHODS[method]
+    module, _, name = spec.config_class.partition(":")
+    config_class = getattr(importlib.import_module(module), name)
+    has_config = any(a == "--config" or a.startswith("--config=") for a in argv)
+    config_argv = ([] if has_config else ["--config", str(ROOT / spec.default_config)]) + list(argv)
+    cfg = parse_config(config_class, config_argv)
+    torch.manual_seed(cfg.train.seed)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    verifier, tokenizer = load_verifier(cfg, device)
+    data = load_batches(cfg, tokenizer, batches, device)
+    step = spec.build_step(cfg, verifier)
+    load_before = os.getloadavg()
+    result = measure(step, verifier, data, repeats, warmup)
+    report = {
+        "method": method, "verifier": cfg.verifier, "device": str(device), "threads": torch.get_num_threads(),
+        "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "batches": len(data),
+        "mixed_precision": cfg.train.mixed_precision, "verifier_dtype": cfg.verifier_dtype,
+        "repeats": repeats, "warmup": warmup, "argv": config_argv,
+        "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+        **result,
+    }
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog="Other options go to the method's config, e.g. "
+        "--verifier, --config, --train.batch_size=8, --data.seq_len=512, --medusa.num_heads=4.")
+    parser.add_argument("--method", required=True, choices=sorted(METHODS))
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--batches", type=int, default=4, help="batches per round (the same ones every round)")
+    parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args, rest = parser.parse_known_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = run(args.method, rest, args.repeats, args.warmup, args.batches, args.device, args.out)
+    print(f"[bench] {report['method']} on {report['verifier']} ({report['device']}, {report['threads']} threads, "
+          f"B={report['batch_size']} T={report['seq_len']}, {report['batches']} batches x {report['repeats']} rounds)")
+    print(f"[bench] verifier forward {report['forward_tokens_per_s_median']:,.0f} tok/s, train "
+          f"{report['train_tokens_per_s_median']:,.0f} tok/s")
+    print(f"[bench] train / forward = {report['ratio_median']:.3f} (min {report['ratio_min']:.3f}, "
+          f"max {report['ratio_max']:.3f})" + (f"; JSON: {args.out}" if args.out else ""))
+    return report
+
+
+if __name__ == "__main__":
+    from train.config import ConfigError
+
+    try:
+        main()
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,289 @@
+"""Train Medusa heads on a frozen verifier (Medusa-1), or heads and LoRA adapters on the verifier jointly (Medusa-2).
+
+    accelerate launch train/medusa.py --config configs/medusa-tiny.yaml
+    accelerate launch train/medusa.py --config configs/medusa-tiny.yaml --train.max_steps=50 --medusa.num_heads=3
+    accelerate launch train/medusa.py --config configs/medusa2-tiny.yaml        # Medusa-2 (medusa.joint: true)
+
+(`python train/medusa.py ...` is the same run in one process.)
+
+Each step runs the verifier on a batch under no-grad (its final post-norm hidden state h_t is what the heads read),
+then head k's logits at t are scored against token t+k+2: cross-entropy with the data (`medusa.loss: labels`) or KL
+to the verifier's own distribution of that token (`distill`), weighted decay^k, masked by the batch's loss mask.
+Medusa-2 instead runs the verifier with its adapters and gradients, and adds its own next-token loss plus a KL to
+the original verifier (adapters off) that keeps it faithful. Losses are computed head by head in (C, V) chunks
+(models/linear_loss.py), so no (K, B, T, V) logits or gradients ever exist: peak memory is the verifier's
+activations plus a few chunks, whatever the vocabulary.
+
+Held-out evaluation every `train.eval_every` steps and at the end logs eval/head{k}_loss, _top1, _top5 and a
+per-head table. At the end the per-rank accuracies of each head on the held-out data build the static tree
+(`medusa.tree_budget` nodes) and everything is exported to `{output_dir}/drafter/` (the folder vLLM's Medusa loader
+reads; Medusa-2 adds `adapter/`). The run folder also holds config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints
+(`--train.resume=auto` continues from the newest) and wandb/ (offline unless an API key is configured).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+if __package__ in (None, ""):  # run as a file (`accelerate launch train/medusa.py`) from a checkout: find the packages
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config, build_medusa_tree,
+                           expected_accepted_length, medusa2_losses, medusa_head_losses, save_medusa)
+from models.verifier import Verifier, VerifierFeatures
+from train.config import ConfigError, RunConfig, main_guard
+from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
+                        log_table)
+
+
+@dataclass
+class MedusaRunConfig(RunConfig):
+    """A Medusa training run: verifier, data, loop, logging, and the `medusa` section."""
+
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    """Heads, loss, Medusa-2 joint training and the exported tree."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.features == "offline":
+            raise ConfigError("features=offline: Medusa reads the hidden-state cache once it exists (issue 8); "
+                              "use features=online for now")
+
+
+# ---- what accelerator.prepare wraps: the trainable part, with the loss in forward (DDP syncs through forward) ----
+class HeadsObjective(nn.Module):
+    """Medusa-1: the heads; forward takes the frozen verifier's features of a batch."""
+
+    def __init__(self, heads: MedusaHeads, cfg: MedusaConfig):
+        super().__init__()
+        self.heads, self.cfg = heads, cfg
+
+    def forward(self, feats: VerifierFeatures, batch: dict, max_rank: int = 1):
+        head = medusa_head_losses(self.heads, feats.final, batch["input_ids"], batch["loss_mask"], self.cfg.loss,
+                                  feats.logits, self.cfg.decay, max_rank)
+        return head.loss, {}, head
+
+
+class JointObjective(nn.Module):
+    """Medusa-2: the verifier with LoRA adapters and the heads; forward runs the verifier itself, with grad."""
+
+    def __init__(self, joint: MedusaJoint, cfg: MedusaConfig):
+        super().__init__()
+        self.joint, self.cfg = joint, cfg
+        # Checkpoints hold what trains (adapters, heads), not the frozen verifier: it reloads from its own folder,
+        # and its weights are reachable under two names (`verifier.model...` and `verifier.decoder...`).
+        self._trainable = {name for name, p in self.named_parameters() if p.requires_grad}
+        self.register_state_dict_post_hook(JointObjective._keep_trainable)
+
+    @staticmethod
+    def _keep_trainable(module, state_dict, prefix, local_metadata):
+        for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in module._trainable]:
+            del state_dict[key]
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        expected = set(self.state_dict())
+        missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Medusa-2 checkpoint does not match: missing {missing[:5]}, unexpected "
+                               f"{unexpected[:5]}")
+        super().load_state_dict(state_dict, strict=False, assign=assign)
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    @property
+    def heads(self) -> MedusaHeads:
+        return self.joint.heads
+
+    def forward(self, feats: None, batch: dict, max_rank: int = 1):
+        verifier, cfg = self.joint.verifier, self.cfg
+        ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        reference = self.joint.reference_logits(ids, attention_mask)  # (B, T, V), adapters off, no grad
+        hidden = verifier.decoder(input_ids=ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state  # (B, T, H), through the adapters
+        loss, parts, head = medusa2_losses(hidden, verifier.lm_head.weight, reference, self.joint.heads, ids,
+                                           batch["loss_mask"], cfg.loss, cfg.decay, cfg.lm_loss_weight,
+                                           cfg.kl_loss_weight, cfg.heads_loss_weight, max_rank=max_rank)
+        return loss, parts, head
+
+
+def batch_features(verifier: Verifier, batch: dict, cfg: MedusaRunConfig) -> VerifierFeatures | None:
+    """What the heads read for one batch: the frozen verifier's final hidden state (and logits for `distill`).
+
+    The seam for the offline hidden-state cache (issue 8): a cached batch carries these tensors already.
+    Medusa-2 returns None: its objective runs the adapted verifier itself.
+    """
+    if cfg.medusa.joint:
+        return None
+    return verifier.features(batch["input_ids"], batch["attention_mask"],
+                             return_logits=cfg.medusa.loss == "distill")  # no-grad inside
+
+
+# ---- held-out evaluation ---------------------------------------------------------------------------------------
+@dataclass
+class HeldOut:
+    """Per-head held-out results, summed over batches and processes."""
+
+    loss: torch.Tensor
+    """(K,) mean loss of each head."""
+    hits: torch.Tensor
+    """(K, R) positions where the target was head k's rank-r prediction."""
+    counts: torch.Tensor
+    """(K,) positions scored."""
+    parts: dict[str, torch.Tensor]
+    """Medusa-2: mean `lm` and `kl` of the verifier itself."""
+
+    def topk(self, k: int) -> torch.Tensor:
+        return self.hits[:, :k].sum(-1) / self.counts.clamp(min=1)  # (K,)
+
+    def rank_accuracy(self) -> torch.Tensor:
+        return self.hits / self.counts.clamp(min=1)[:, None]  # (K, R)
+
+
+@torch.no_grad()
+def evaluate(accelerator, model, verifier, eval_dl, cfg: MedusaRunConfig, max_batches: int = 0,
+             max_rank: int = 5) -> HeldOut | None:
+    """Run the held-out batches (all of them when max_batches is 0); None when there are none."""
+    model.eval()
+    K = cfg.medusa.num_heads
+    device = accelerator.device
+    loss_sum, counts = torch.zeros(K, device=device), torch.zeros(K, device=device)
+    hits = torch.zeros(K, max_rank, device=device)
+    part_sums: dict[str, torch.Tensor] = {}
+    batches = 0
+    for batch in eval_dl:
+        if max_batches and batches >= max_batches:
+            break
+        _, parts, head = model(batch_features(verifier, batch, cfg), batch, max_rank=max_rank)
+        loss_sum += head.per_head * head.counts  # per_head is a mean over this batch's positions
+        counts += head.counts
+        hits += head.hits
+        for key, value in parts.items():
+            part_sums[key] = part_sums.get(key, 0) + value
+        batches += 1
+    model.train()
+    batches = accelerator.reduce(torch.tensor(float(batches), device=device), reduction="sum")
+    if batches.item() == 0:
+        return None
+    loss_sum, counts, hits = (accelerator.reduce(t, reduction="sum") for t in (loss_sum, counts, hits))
+    parts = {k: accelerator.reduce(v, reduction="sum") / batches for k, v in part_sums.items()}
+    return HeldOut(loss=loss_sum / counts.clamp(min=1), hits=hits, counts=counts, parts=parts)
+
+
+def eval_metrics(result: HeldOut, decay: float) -> dict[str, float]:
+    top1, top5 = result.topk(1).tolist(), result.topk(5).tolist()
+    losses = result.loss.tolist()
+    metrics = {"eval/loss": sum(decay ** k * loss for k, loss in enumerate(losses))}
+    for k, (loss, t1, t5) in enumerate(zip(losses, top1, top5)):
+        metrics.update({f"eval/head{k}_loss": loss, f"eval/head{k}_top1": t1, f"eval/head{k}_top5": t5})
+    metrics.update({f"eval/{key}": value.item() for key, value in result.parts.items()})
+    return metrics
+
+
+def log_head_table(accelerator, result: HeldOut, step: int) -> list[list]:
+    rows = [[k, f"t+{k + 2}", round(loss, 4), round(t1, 4), round(t5, 4)]
+            for k, (loss, t1, t5) in enumerate(zip(result.loss.tolist(), result.topk(1).tolist(),
+                                                   result.topk(5).tolist()))]
+    log_table(accelerator, "eval/head_accuracy", ["head", "predicts", "loss", "top1", "top5"], rows, step=step)
+    return rows
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------
+def main(cfg: MedusaRunConfig) -> dict:
+    started = time.perf_counter()
+    accelerator = build_accelerator(cfg)  # mixed precision, grad accumulation, wandb; writes config.yaml
+    verifier, tokenizer = load_verifier(cfg, accelerator.device)  # frozen, eval mode
+    train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
+
+    # Heads in fp32 (the master weights; autocast runs their matmuls in bf16 under mixed precision), each a copy of
+    # the verifier's lm_head behind identity ResBlocks.
+    heads = MedusaHeads.from_config(cfg.medusa, verifier)
+    if cfg.medusa.joint:
+        add_lora_from_config(verifier, cfg.medusa)  # verifier.model becomes the peft model; only adapters train
+        joint = MedusaJoint(verifier, heads)
+        model = JointObjective(joint, cfg.medusa)
+        optimizer = build_optimizer(joint.param_groups(cfg.train.lr, cfg.medusa.head_lr_multiplier,
+                                                       cfg.train.weight_decay), cfg)
+    else:
+        model = HeadsObjective(heads, cfg.medusa)
+        optimizer = build_optimizer(heads, cfg)
+    scheduler = cosine_schedule(optimizer, cfg)  # warm-up, then cosine to lr x min_lr_ratio, per param group
+
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    accelerator.register_for_checkpointing(scheduler)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    max_rank = max(5, cfg.medusa.tree_max_rank)
+
+    def periodic_eval() -> dict[str, float]:
+        result = evaluate(accelerator, model, verifier, eval_dl, cfg, cfg.train.eval_batches)
+        if result is None:
+            return {}
+        log_head_table(accelerator, result, loop.state.step)
+        return eval_metrics(result, cfg.medusa.decay)
+
+    loop = TrainLoop(accelerator, cfg, model, optimizer, scheduler, train_dl, evaluate=periodic_eval,
+                     clip_params=trainable)
+    loop.resume()
+    model.train()  # Medusa-2: LoRA dropout on; the frozen verifier of Medusa-1 stays in eval mode
+    for batch in loop.batches():
+        with accelerator.accumulate(model):
+            feats = batch_features(verifier, batch, cfg)  # (B, T, H) under no-grad: online features
+            loss, parts, head = model(feats, batch)
+            accelerator.backward(loss)
+            metrics = {**parts, **{f"head{k}_loss": head.per_head[k] for k in range(cfg.medusa.num_heads)},
+                       **{f"head{k}_top1": head.hits[k, 0] / head.counts[k].clamp(min=1)
+                          for k in range(cfg.medusa.num_heads)}}
+            loop.step(loss, metrics, tokens=batch["attention_mask"].sum())
+    loop.finish()
+
+    # Final held-out pass over all of it: per-head accuracy, the rank accuracies the tree is built from.
+    result = evaluate(accelerator, model, verifier, eval_dl, cfg, max_batches=0, max_rank=max_rank)
+    summary = {"steps": loop.state.step, "tokens": loop.state.step * cfg.train.grad_accum * cfg.train.batch_size
+               * cfg.data.seq_len * accelerator.num_processes, "joint": cfg.medusa.joint, "loss": cfg.medusa.loss,
+               "final_train": {k.removeprefix("train/"): v for k, v in _last_train_log(loop).items()}}
+    tree = rank_accuracy = None
+    if result is None:
+        accelerator.print("[medusa] no held-out data (data.eval_rows=0): exported without accuracies or tree")
+    else:
+        metrics = eval_metrics(result, cfg.medusa.decay)
+        loop.log(metrics)
+        rows = log_head_table(accelerator, result, loop.state.step)
+        rank_accuracy = result.rank_accuracy()[:, :cfg.medusa.tree_max_rank]  # (K, R)
+        tree = build_medusa_tree(rank_accuracy, cfg.medusa.tree_budget)
+        summary["eval"] = {k.removeprefix("eval/"): v for k, v in metrics.items()}
+        summary["tree_expected_accepted_length"] = expected_accepted_length(tree, rank_accuracy)
+        _print_report(accelerator, rows, verifier.vocab_size, len(tree), summary["tree_expected_accepted_length"])
+    summary["wall_time_s"] = round(time.perf_counter() - started, 1)
+
+    if accelerator.is_main_process:
+        heads = accelerator.unwrap_model(model).heads
+        save_medusa(cfg.drafter_dir, heads, verifier, tree=tree, training_summary=summary,
+                    rank_accuracy=rank_accuracy)
+        accelerator.print(f"[medusa] drafter exported to {cfg.drafter_dir} ({summary['wall_time_s']} s)")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # flush and close wandb
+    return summary
+
+
+def _last_train_log(loop: TrainLoop) -> dict:
+    for record in reversed(loop.history):
+        if "train/loss" in record:
+            return {k: v for k, v in record.items() if k.startswith("train/")}
+    return {}
+
+
+def _print_report(accelerator, rows: list[list], vocab_size: int, nodes: int, accepted: float) -> None:
+    accelerator.print(f"[medusa] head-0 held-out top-1 = {rows[0][3]:.4f} (chance 1/V = {1 / vocab_size:.6f})")
+    accelerator.print("[medusa] head  predicts  loss     top1    top5")
+    for k, predicts, loss, top1, top5 in rows:
+        accelerator.print(f"[medusa] {k:>4}  {predicts:<8}  {loss:<7.4f}  {top1:.4f}  {top5:.4f}")
+    accelerator.print(f"[medusa] static tree: {nodes} nodes, expected accepted length {accepted:.3f} "
+                      f"(tau = {1 + accepted:.3f} with the bonus token)")
+
+
+if __name__ == "__main__":
+    main_guard(main, MedusaRunConfig)
