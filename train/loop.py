@@ -10,6 +10,9 @@ checkpoints and resume) so `train/medusa.py` and `train/eagle.py` only say what 
             accelerator.backward(loss)
             loop.step(loss, metrics)                 # optimizer step on gradient-sync micro-batches
     loop.finish()
+
+Held-out evaluation is the trainer's `evaluate` callback; `heldout_sums` runs the shared part (eval mode, no grad,
+a bounded number of batches, sums reduced over processes), and `loop.summary()` is what a run reports at the end.
 """
 
 from __future__ import annotations
@@ -202,6 +205,7 @@ class TrainLoop:
         self._tokens = torch.zeros((), device=accelerator.device)
         self.history: list[dict] = []
         self._bar = None
+        self._started = time.perf_counter()
 
     # -- resume --
     def resume(self) -> TrainState:
@@ -328,6 +332,42 @@ class TrainLoop:
     def print(self, message: str) -> None:
         if not quiet():
             self.accelerator.print(message)
+
+    def summary(self) -> dict:
+        """Where the run ended and the last logged value of every metric (main process), for the export metadata."""
+        last: dict = {}
+        for record in self.history:
+            last.update(record)
+        last.pop("step", None)
+        return {"steps": self.state.step, "epochs": self.state.epoch + self.state.consumed / max(1, len(self.train_dl)),
+                "bad_steps": self.state.bad_steps, "wall_time_s": round(time.perf_counter() - self._started, 3),
+                **last}
+
+
+# ---- held-out evaluation ----------------------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_sums(accelerator, model, eval_dl, max_batches: int,
+                 measure: Callable[[dict], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Sum `measure(batch)` over the first `max_batches` held-out micro-batches of each process (0: all of them).
+
+    The model runs in eval mode (no dropout, no feature noise) and is put back in its previous mode after. The
+    sums (plus `batches`, how many were measured) are reduced over processes, so the caller divides counts by
+    counts; nothing syncs to the host here. Collective: every process calls it. Empty held-out data gives {}.
+    """
+    was_training = model.training
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(eval_dl):
+        if max_batches and i >= max_batches:
+            break
+        values = {**measure(batch), "batches": torch.ones((), device=accelerator.device)}
+        for key, value in values.items():
+            value = value.detach().float()
+            sums[key] = sums[key] + value if key in sums else value
+    model.train(was_training)
+    if not sums:
+        return {}
+    return accelerator.reduce(sums, reduction="sum")
 
 
 def _progress(total: int, initial: int, desc: str):
