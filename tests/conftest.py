@@ -10,6 +10,9 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("DRAFTHEADS_QUIET", "1")
+# Tiny models: one intra-op thread per process is faster than two OpenMP threads spinning against each other
+# (and against subprocesses such as `accelerate launch`, which inherit this).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.utils import FAMILIES, save_tiny_verifier  # noqa: E402
 
@@ -24,3 +27,15 @@ def tiny_verifier_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tiny_verifier_dirs):
     return tiny_verifier_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a busy 2-core machine: one intra-op thread. With two, OpenMP threads spin against each
+    other and against other processes, and small matmuls get 10-100x slower."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

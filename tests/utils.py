@@ -39,3 +39,54 @@ def save_tiny_verifier(folder: str | Path, family: str = "llama", seed: int = 0,
     folder = Path(folder)
     tiny_model(family, seed, **overrides).save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def peaked_model(family: str = "llama", seed: int = 0, **overrides):
+    """A tiny random model with larger weights (init std 0.1): peaked next-token distributions and varied greedy
+    continuations, so drafts are accepted or rejected for real."""
+    overrides.setdefault("initializer_range", 0.1)
+    return tiny_model(family, seed, **overrides)
+
+
+def noisy_copy(model, scale: float = 0.1, seed: int = 1):
+    """The same model with Gaussian noise (scale x each matrix's std) on every matrix: a draft model that agrees
+    with the original often, not always."""
+    import copy
+
+    noisy = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            if p.dim() > 1:
+                p += scale * p.std() * torch.randn(p.shape, generator=gen)
+    return noisy
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, eos_token_id=None) -> list[int]:
+    """Plain greedy decoding with Hugging Face `generate` (no sampling, no processors); new tokens only."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                              pad_token_id=0, num_beams=1)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit of observed counts to probabilities (float64, cells with an expected
+    count under `min_expected` pooled into one)."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    expected = probs / probs.sum() * counts.sum()
+    small = expected < min_expected
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        assert obs[-1] == 0, f"{obs[-1]} samples fell on outcomes of probability 0"
+        obs, exp = obs[:-1], exp[:-1]
+    return float(chisquare(obs, exp).pvalue)

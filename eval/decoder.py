@@ -1,0 +1,428 @@
+"""The speculative decoder: draft, verify in one forward, accept, commit — repeat, without changing what the
+verifier would have said.
+
+    from eval import SpeculativeDecoder
+    dec = SpeculativeDecoder.from_pretrained("tiny-code", draft="path/to/small-lm", method="draft-model")
+    out = dec.generate([[1, 5, 9], [1, 7]], max_new_tokens=64, temperature=0.0)
+    out.output_ids, out.stats.tau
+
+Methods: `autoregressive` (the baseline, same runtime), `ngram` (prompt lookup), `draft-model` (vanilla
+speculative decoding with a small LM; chain or tree); `medusa` and `eagle` plug in through eval/protocol.py.
+
+Batching: rows are left-aligned in the token buffer and in every KV cache (slot = position) with per-row lengths,
+so prompts of different lengths need no padding inside the sequence, and each row accepts its own number of
+tokens per step. Finished rows stay in the batch (fixed shapes) and stop advancing. Trees run batched as well.
+
+Host syncs: one per decode step (the accepted tokens, copied to the host to extend the outputs and decide
+whether to stop). Everything else in a step stays on the device.
+
+Exactness: greedy output equals the verifier's plain greedy decoding token for token in float32. In bf16/fp16 a
+near-tie can flip when kernel shapes change (the attention window here is bucketed, `window_bucket=64`, so it
+covers a few masked slots; `window_bucket=1` gives the exact shapes of a cached Hugging Face decode), just as
+Hugging Face's own cached and uncached greedy decoding can disagree in bf16.
+
+The first step's root is the prompt's last token: prefill runs the prompt minus that token, so every generated
+token comes out of a verification step (and a drafter drafts from the very first token).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from eval.acceptance import Acceptance, accept
+from eval.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, load_causal_lm
+from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
+from eval.runtime import ModelRunner, RunnerOutput, bucket, causal_mask
+from eval.tree import tree_attention_mask
+
+_CONFIG = object()  # "use the verifier config's eos_token_id"
+
+
+@dataclass
+class DecodeStats:
+    """What one `generate` call did. Accepted counts exclude the bonus / corrected token (a step yields a+1)."""
+
+    method: str
+    batch_size: int
+    num_draft_tokens: int
+    """N: draft tokens proposed per row per step."""
+    verifier_calls: int = 0
+    """Decode steps, one verifier forward each (the prefill is counted in `prefill_calls`)."""
+    prefill_calls: int = 0
+    accepted: list[list[int]] = field(default_factory=list)
+    """Per row: accepted draft tokens at each step the row was active."""
+    draft_tokens: int = 0
+    """Draft tokens proposed, over active rows and steps."""
+    new_tokens: list[int] = field(default_factory=list)
+    """Per row: tokens returned."""
+    time_prefill_s: float = 0.0
+    time_draft_s: float = 0.0
+    """Drafter time: propose + observe (its own prefill and rollback included)."""
+    time_verify_s: float = 0.0
+    """Verifier forwards of the decode steps."""
+    time_other_s: float = 0.0
+    """Acceptance, commit (KV compaction), the host sync and bookkeeping."""
+    time_total_s: float = 0.0
+
+    @property
+    def steps_per_row(self) -> list[int]:
+        return [len(a) for a in self.accepted]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per verifier call per row, bonus token included (vLLM's acceptance length)."""
+        steps = sum(self.steps_per_row)
+        return (sum(map(sum, self.accepted)) + steps) / steps if steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens."""
+        return sum(map(sum, self.accepted)) / self.draft_tokens if self.draft_tokens else 0.0
+
+    def per_position_acceptance(self, depth: int | None = None) -> list[float]:
+        """Fraction of steps whose accepted length reached k, for k = 1..depth (default: the longest seen)."""
+        flat = [a for row in self.accepted for a in row]
+        if not flat:
+            return []
+        depth = depth if depth is not None else max(flat + [0])
+        return [sum(a >= k for a in flat) / len(flat) for k in range(1, depth + 1)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.new_tokens) / self.time_total_s if self.time_total_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"method": self.method, "batch_size": self.batch_size, "num_draft_tokens": self.num_draft_tokens,
+                "verifier_calls": self.verifier_calls, "prefill_calls": self.prefill_calls,
+                "accepted": self.accepted, "draft_tokens": self.draft_tokens, "new_tokens": self.new_tokens,
+                "tau": self.tau, "acceptance_rate": self.acceptance_rate,
+                "per_position_acceptance": self.per_position_acceptance(), "tokens_per_s": self.tokens_per_s,
+                "time_prefill_s": self.time_prefill_s, "time_draft_s": self.time_draft_s,
+                "time_verify_s": self.time_verify_s, "time_other_s": self.time_other_s,
+                "time_total_s": self.time_total_s}
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[list[int]]
+    """Per row: the new token ids only, ending with the first EOS if one came."""
+    stats: DecodeStats
+
+
+# ---- method registry ---------------------------------------------------------------------------------------------
+def _autoregressive(verifier, draft, device, dtype):
+    return NoDrafter()
+
+
+def _ngram(verifier, draft, device, dtype, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+    return NgramDrafter(num_draft_tokens, max_ngram, min_ngram)
+
+
+def _draft_model(verifier, draft, device, dtype, num_draft_tokens: int | None = None, branching=None,
+                 tree_sampling: str = "sample"):
+    if draft is None:
+        raise ValueError("method 'draft-model' needs draft=<a small causal LM folder/name, Verifier or module>")
+    if num_draft_tokens is not None and branching is not None:
+        raise ValueError("method 'draft-model': give num_draft_tokens (a chain) or branching (a tree), not both")
+    num_draft_tokens = 4 if num_draft_tokens is None else num_draft_tokens
+    model = load_causal_lm(draft, device=device or verifier.device, dtype=dtype or verifier.dtype)
+    return DraftModelDrafter(model, verifier.vocab_size, num_draft_tokens, branching, tree_sampling)
+
+
+def _not_yet(name):
+    def factory(*args, **kwargs):
+        raise NotImplementedError(f"method {name!r} is not wired into the engine yet (its drafter module lands "
+                                  "separately); available: " + ", ".join(k for k in METHODS if k not in PENDING))
+    return factory
+
+
+PENDING = ("medusa", "eagle")
+METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "draft-model": _draft_model,
+           **{name: _not_yet(name) for name in PENDING}}
+
+
+def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **options) -> Drafter:
+    """Build the drafter for `method`; unknown methods and options are errors that list what exists."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
+    factory = METHODS[method]
+    params = list(inspect.signature(factory).parameters)[4:]
+    unknown = sorted(set(options) - set(params))
+    if unknown and method not in PENDING:
+        raise ValueError(f"method {method!r} has no option(s) {', '.join(unknown)}; "
+                         f"its options: {', '.join(params) or 'none'}")
+    if draft is not None and method in ("autoregressive", "ngram"):
+        raise ValueError(f"method {method!r} takes no draft (got draft={draft!r})")
+    return factory(verifier, draft, device, dtype, **options)
+
+
+# ---- the decoder -------------------------------------------------------------------------------------------------
+class SpeculativeDecoder:
+    """A verifier, a drafter, a static KV cache, and the decode loop (`prefill`, `draft`, `verify`, `accept`,
+    `commit`)."""
+
+    def __init__(self, verifier, drafter: Drafter | None = None, method: str | None = None, window_bucket: int = 64,
+                 sync_timings: bool = False):
+        from models.verifier import Verifier
+
+        if isinstance(verifier, nn.Module) and not isinstance(verifier, Verifier):
+            verifier = Verifier(verifier)
+        self.verifier = verifier
+        self.drafter = drafter if drafter is not None else NoDrafter()
+        self.method = method or self.drafter.name
+        self.runner = ModelRunner(verifier.model, "verifier")
+        self.window_bucket = window_bucket
+        self.sync_timings = sync_timings
+        """Synchronise the device around timed phases (exact per-phase timings on CUDA, slightly slower)."""
+        self.cache = None
+        eos = verifier.config.eos_token_id
+        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        # A drafter that reads decoder-layer inputs (EAGLE-3) must name layers this verifier has.
+        if self.drafter.layer_ids:
+            verifier.check_layer_ids(list(self.drafter.layer_ids), key=f"{self.method} layer_ids")
+
+    @classmethod
+    def from_pretrained(cls, verifier, draft=None, method: str = "autoregressive", device=None, dtype=None,
+                        **method_options) -> "SpeculativeDecoder":
+        """verifier: a name/folder (`models.verifier.Verifier.from_pretrained`) or a Verifier; draft: what the
+        method needs (a draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle')."""
+        from models.verifier import Verifier
+
+        if isinstance(verifier, Verifier):
+            if device is not None or dtype is not None:
+                verifier.model.to(device=device, dtype=dtype)
+        else:
+            verifier = Verifier.from_pretrained(verifier, dtype=dtype, device=device)
+        drafter = make_drafter(method, verifier, draft, device=device, dtype=dtype, **method_options)
+        return cls(verifier, drafter, method=method)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # ---- inputs --------------------------------------------------------------------------------------------------
+    def _prompts(self, input_ids) -> list[list[int]]:
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() == 1:
+                input_ids = input_ids[None]
+            if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int, torch.int32, torch.int16):
+                raise ValueError(f"input_ids: expected a LongTensor [B, T], got {input_ids.dtype} of shape "
+                                 f"{tuple(input_ids.shape)}")
+            prompts = input_ids.tolist()
+        else:
+            prompts = [list(map(int, row)) for row in input_ids]
+        if not prompts:
+            raise ValueError("input_ids: empty batch")
+        V = self.verifier.vocab_size
+        for b, row in enumerate(prompts):
+            if not row:
+                raise ValueError(f"input_ids row {b} is empty; every prompt needs at least one token")
+            bad = [t for t in row if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"input_ids row {b} has token ids {bad[:5]} outside the verifier's vocabulary "
+                                 f"(0..{V - 1})")
+        return prompts
+
+    def _capacity(self, prompts, max_new_tokens: int) -> int:
+        # An active row has length <= T + max_new - 2; its last step may commit D + 1 more, and a finished row is
+        # still verified (fixed shapes): N + 1 slots past that, and its tokens written up to D + 1 past it.
+        # Plus one spare scratch slot at the end (drafters use it), never reached by any row.
+        n = self.drafter.num_draft_tokens
+        return max(map(len, prompts)) + max_new_tokens + 2 * n + 2
+
+    def _new_state(self, prompts: list[list[int]], max_new_tokens: int) -> DecodeState:
+        B, dev = len(prompts), self.device
+        capacity = self._capacity(prompts, max_new_tokens)
+        if self.cache is None or self.cache.batch_size != B or self.cache.capacity < capacity:
+            self.cache = self.runner.new_cache(B, capacity)
+        capacity = self.cache.capacity  # a reused cache may be larger; every buffer of the batch uses its size
+        pad = self.verifier.config.pad_token_id or 0
+        tokens = torch.full((B, capacity), pad, dtype=torch.long)
+        for b, row in enumerate(prompts):
+            tokens[b, : len(row)] = torch.tensor(row)
+        plen = torch.tensor([len(r) for r in prompts])
+        return DecodeState(tokens=tokens.to(dev), lengths=(plen - 1).to(dev),
+                           active=torch.ones(B, dtype=torch.bool, device=dev), prompt_lengths=plen.to(dev),
+                           capacity=capacity, lengths_host=[len(r) - 1 for r in prompts])
+
+    def _window(self, state: DecodeState, new: int) -> int:
+        return min(state.capacity, bucket(max(state.lengths_host) + new, self.window_bucket))
+
+    # ---- the loop pieces -----------------------------------------------------------------------------------------
+    def prefill(self, state: DecodeState) -> Committed:
+        """Run every prompt minus its last token (left-aligned, padded to the longest) into the KV cache."""
+        B, dev = state.batch_size, state.device
+        M = max(state.lengths_host)
+        tokens = state.tokens[:, :M].clone()  # a copy: slots past a short row's length are rewritten later
+        committed = Committed(tokens=tokens, next_tokens=state.tokens[:, 1: M + 1].clone(),
+                              count=state.lengths.clone(),
+                              start=torch.zeros(B, dtype=torch.long, device=dev), prefill=True)
+        if M == 0:  # one-token prompts only: nothing to run, empty features of the usual shapes
+            H, V = self.verifier.hidden_size, self.verifier.vocab_size
+            empty = torch.zeros(B, 0, H, dtype=self.runner.dtype, device=dev)
+            committed.final = empty if self.drafter.wants_final else None
+            committed.layers = {i: empty for i in self.drafter.layer_ids}
+            committed.logits = torch.zeros(B, 0, V, dtype=self.runner.dtype, device=dev) \
+                if self.drafter.wants_logits else None
+            return committed
+        pos = torch.arange(M, device=dev).expand(B, M)
+        mask = causal_mask(M, self._window(state, 0), dev).expand(B, -1, -1)
+        out = self.runner(self.cache, tokens, pos, pos, mask, layer_ids=self.drafter.layer_ids,
+                          logits=self.drafter.wants_logits)
+        committed.final = out.final if self.drafter.wants_final else None
+        committed.layers = out.layers
+        committed.logits = out.logits
+        return committed
+
+    def draft(self, state: DecodeState, sampling: Sampling) -> Draft:
+        return self.drafter.propose(state, sampling)
+
+    def verify(self, state: DecodeState, draft: Draft) -> RunnerOutput:
+        """ONE verifier forward over root + N draft nodes at slots len .. len+N, positions len + depth."""
+        B = state.batch_size
+        tree = draft.tree.expand(B)
+        L = state.lengths
+        n = tree.num_nodes
+        ids = torch.cat([state.roots()[:, None], draft.tokens], 1)  # (B, N+1)
+        slots = L[:, None] + torch.arange(n, device=state.device)
+        mask = tree_attention_mask(L, tree.ancestors, self._window(state, n))  # (B, N+1, W)
+        return self.runner(self.cache, ids, L[:, None] + tree.depth, slots, mask, layer_ids=self.drafter.layer_ids)
+
+    @staticmethod
+    def accept(draft: Draft, out: RunnerOutput, sampling: Sampling) -> Acceptance:
+        return accept(draft.tokens, draft.tree, draft.probs, out.logits, sampling.temperature, sampling.top_p,
+                      sampling.generator)
+
+    def commit(self, state: DecodeState, draft: Draft, acc: Acceptance, out: RunnerOutput) -> Committed:
+        """Keep the accepted path: compact its K/V to consecutive slots, write its tokens and the new root, advance
+        the active rows' lengths. Rejected nodes' slots are left behind the new length (rollback)."""
+        B, dev = state.batch_size, state.device
+        start = state.lengths.clone()
+        path, a = acc.path, acc.num_accepted  # (B, D+1), (B,)
+        if not draft.tree.is_chain:
+            self.cache.compact(start, path)
+        nodes = torch.cat([state.roots()[:, None], draft.tokens], 1)  # (B, N+1)
+        path_tokens = nodes.gather(1, path)  # (B, D+1), root first
+        steps = torch.arange(path.shape[1], device=dev)
+        state.tokens.scatter_(1, start[:, None] + steps, path_tokens)
+        state.tokens.scatter_(1, (start + a + 1)[:, None], acc.next_token[:, None])
+        count = (a + 1) * state.active
+        state.lengths += count
+        shifted = torch.cat([path_tokens[:, 1:], acc.next_token[:, None]], 1)
+        next_tokens = torch.where(steps[None] == a[:, None], acc.next_token[:, None], shifted)
+        d = self.drafter
+        return Committed(
+            tokens=path_tokens, next_tokens=next_tokens, count=count, start=start, prefill=False, path=path,
+            final=out.final.gather(1, path[..., None].expand(-1, -1, out.final.shape[-1])) if d.wants_final else None,
+            layers={i: h.gather(1, path[..., None].expand(-1, -1, h.shape[-1])) for i, h in out.layers.items()},
+            logits=out.logits.gather(1, path[..., None].expand(-1, -1, out.logits.shape[-1]))
+            if d.wants_logits else None)
+
+    def begin(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> DecodeState:
+        """A new batch: token buffer and KV cache for these prompts, the verifier's prefill, the drafter's start."""
+        state = self._new_state(prompts, max_new_tokens)
+        committed = self.prefill(state)
+        self.drafter.start(state, sampling)
+        self.drafter.observe(state, committed)
+        return state
+
+    def step(self, state: DecodeState, sampling: Sampling) -> tuple[Draft, Acceptance, Committed]:
+        """One decode step without timing or host bookkeeping (for tests and notebooks; `generate` runs the same
+        pieces). Refreshes `state.lengths_host` (a host sync)."""
+        draft = self.draft(state, sampling)
+        out = self.verify(state, draft)
+        acc = self.accept(draft, out, sampling)
+        committed = self.commit(state, draft, acc, out)
+        self.drafter.observe(state, committed)
+        state.lengths_host = state.lengths.tolist()
+        return draft, acc, committed
+
+    # ---- generate ------------------------------------------------------------------------------------------------
+    def _tick(self) -> float:
+        if self.sync_timings and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    @torch.inference_mode()
+    def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, eos_token_id=_CONFIG) -> GenerationResult:
+        """Decode up to `max_new_tokens` per row. input_ids: LongTensor [B, T] or a list of token-id lists.
+
+        temperature 0 is greedy; otherwise samples exactly from softmax(logits / T) restricted to the top-p
+        nucleus (nothing else: no generation-config top-k). `seed` makes sampling reproducible. Rows stop after
+        their first EOS (the verifier config's eos_token_id(s), or `eos_token_id`: an id, a list, or None).
+        """
+        prompts = self._prompts(input_ids)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
+        eos = set(self.eos_token_ids if eos_token_id is _CONFIG else [] if eos_token_id is None else
+                  [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        sampling = Sampling(temperature, top_p, generator)
+        B = len(prompts)
+        drafter = self.drafter
+        stats = DecodeStats(self.method, B, drafter.num_draft_tokens, accepted=[[] for _ in range(B)])
+        outputs: list[list[int]] = [[] for _ in range(B)]
+        t_start = self._tick()
+        if max_new_tokens == 0:
+            stats.new_tokens = [0] * B
+            return GenerationResult(outputs, stats)
+
+        state = self._new_state(prompts, max_new_tokens)
+        committed = self.prefill(state)
+        stats.prefill_calls = int(max(state.lengths_host) > 0)
+        t = self._tick()
+        stats.time_prefill_s = t - t_start
+        drafter.start(state, sampling)
+        drafter.observe(state, committed)
+        stats.time_draft_s += self._tick() - t
+
+        active = [True] * B
+        while any(active):
+            stats.draft_tokens += drafter.num_draft_tokens * sum(active)
+            t0 = self._tick()
+            draft = self.draft(state, sampling)
+            t1 = self._tick()
+            out = self.verify(state, draft)
+            t2 = self._tick()
+            acc = self.accept(draft, out, sampling)
+            committed = self.commit(state, draft, acc, out)
+            t3 = self._tick()
+            drafter.observe(state, committed)
+            t4 = self._tick()
+            # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots.
+            host = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
+            newly_done = False
+            for b in range(B):
+                if not active[b]:
+                    continue
+                a = host[b][0]
+                new = host[b][2: 2 + a] + [host[b][-1]]
+                stats.accepted[b].append(a)
+                state.lengths_host[b] += a + 1
+                out_b = outputs[b]
+                for tok in new:
+                    out_b.append(tok)
+                    if tok in eos or len(out_b) >= max_new_tokens:
+                        active[b] = False
+                        newly_done = True
+                        break
+            stats.verifier_calls += 1
+            if newly_done:
+                state.active.copy_(torch.tensor(active), non_blocking=True)
+            t5 = self._tick()
+            stats.time_draft_s += (t1 - t0) + (t4 - t3)
+            stats.time_verify_s += t2 - t1
+            stats.time_other_s += (t3 - t2) + (t5 - t4)
+        stats.time_total_s = self._tick() - t_start
+        stats.new_tokens = [len(o) for o in outputs]
+        return GenerationResult(outputs, stats)

@@ -1,0 +1,234 @@
+"""Drafters that need no training: none (autoregressive), n-gram prompt lookup, and a separate draft model.
+
+Medusa heads and EAGLE drafters follow the same protocol (eval/protocol.py) in their own modules.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from eval.acceptance import exponential_noise, probs_from_logits
+from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
+from eval.runtime import ModelRunner, bucket, causal_mask
+from eval.tree import Tree, tree_attention_mask
+
+
+class NoDrafter(Drafter):
+    """Autoregressive decoding in the same runtime: the tree is the root alone, one token per verifier call."""
+
+    name = "autoregressive"
+
+    def __init__(self):
+        self._tree = Tree.chain(0)
+        self._empty: torch.Tensor | None = None
+
+    def start(self, state: DecodeState, sampling: Sampling) -> None:
+        self._tree = self._tree.to(state.device)
+        self._empty = torch.zeros(state.batch_size, 0, dtype=torch.long, device=state.device)
+
+    def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
+        return Draft(self._empty, self._tree)
+
+
+# ---- choosing children -------------------------------------------------------------------------------------------
+TREE_SAMPLING = ("sample", "topk")
+
+
+def pick_children(logits: torch.Tensor, k: int, sampling: Sampling, mode: str = "sample"
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Choose k children per parent from draft logits (B, n, V) -> tokens (B, n, k), probs (B, n, k, V) or None.
+
+    greedy, or mode "topk": the k most likely tokens, a deterministic pick (probs None: one-hot).
+    mode "sample": k draws without replacement from the draft distribution (the exponential race: the top-k of
+    p / Exp(1) is such a sample, in draw order); child r's distribution is p with the r earlier picks removed and
+    renormalised, or one-hot on the pick when nothing is left (fewer than k tokens with mass under top-p).
+    """
+    if sampling.greedy or mode == "topk":
+        scores = logits if sampling.greedy else probs_from_logits(logits, sampling.temperature, sampling.top_p)
+        return scores.topk(k, dim=-1).indices, None
+    p = probs_from_logits(logits, sampling.temperature, sampling.top_p)  # (B, n, V)
+    noise = exponential_noise(p.shape, sampling.generator, p.device)
+    picks = (p / noise).topk(k, dim=-1).indices  # (B, n, k) in draw order
+    onehot = torch.zeros(*p.shape[:-1], k, p.shape[-1], device=p.device).scatter_(-1, picks[..., None], 1.0)
+    removed = onehot.cumsum(-2) - onehot  # (B, n, k, V): tokens drawn before child r
+    rest = p[..., None, :] * (1 - removed)
+    mass = rest.sum(-1, keepdim=True)
+    probs = torch.where(mass > 0, rest / mass.clamp_min(1e-30), onehot)
+    return picks, probs
+
+
+# ---- n-gram prompt lookup ----------------------------------------------------------------------------------------
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens (n from max_ngram
+    down to min_ngram) and propose what followed it. Deterministic, so the draft distribution is one-hot.
+
+    The continuation repeats with the match's period when it runs into the end of the context ("a b a b" -> the
+    last "b" matched one step back -> "a b a b ..."). Without any match it proposes the root token repeated,
+    a guess like any other: acceptance stays lossless whatever is proposed.
+    """
+
+    name = "ngram"
+
+    def __init__(self, num_draft_tokens: int = 4, max_ngram: int = 3, min_ngram: int = 1):
+        if num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens}: expected >= 1")
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"min_ngram={min_ngram}, max_ngram={max_ngram}: expected 1 <= min_ngram <= max_ngram")
+        self.num_draft_tokens = self.max_depth = num_draft_tokens
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self._tree = Tree.chain(num_draft_tokens)
+
+    def start(self, state: DecodeState, sampling: Sampling) -> None:
+        self._tree = self._tree.to(state.device)
+
+    def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
+        return Draft(ngram_lookup(state.tokens, state.lengths, self.num_draft_tokens, self.max_ngram,
+                                  self.min_ngram, window=min(state.capacity, max(state.lengths_host) + 1)),
+                     self._tree)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+
+
+def ngram_lookup(tokens: torch.Tensor, lengths: torch.Tensor, k: int, max_ngram: int, min_ngram: int,
+                 window: int) -> torch.Tensor:
+    """tokens (B, C) with the context tokens[b, :lengths[b] + 1]; -> (B, k) proposed continuation.
+
+    `window` >= max(lengths) + 1 bounds the search (a Python int, so no host sync here).
+    """
+    B = tokens.shape[0]
+    dev = tokens.device
+    ctx = tokens[:, :window]
+    last = lengths  # (B,) index of the context's last token (the root)
+    end = torch.full((B,), -1, dtype=torch.long, device=dev)  # end index of the chosen match
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if window < n + 1:
+            continue
+        pattern = ctx.gather(1, (last[:, None] - n + 1 + torch.arange(n, device=dev)).clamp_min(0))  # (B, n)
+        starts = ctx.unfold(1, n, 1)  # (B, W-n+1, n): the n-gram starting at each slot
+        match = (starts == pattern[:, None, :]).all(-1)  # (B, W-n+1)
+        s = torch.arange(match.shape[1], device=dev)
+        ok = match & (s[None, :] <= (last - n)[:, None])  # ends strictly before the pattern's own end
+        found = torch.where(ok, s[None, :] + n - 1, -1).amax(-1)  # (B,) most recent end
+        end = torch.where((end < 0) & (last + 1 >= n), found, end)
+    end = torch.where(end < 0, last - 1, end)  # no match: period 1 from the root
+    period = last - end  # (B,) >= 1
+    idx = end[:, None] + 1 + torch.arange(k, device=dev)[None, :] % period[:, None]
+    return tokens.gather(1, idx)
+
+
+# ---- a separate draft model --------------------------------------------------------------------------------------
+def load_causal_lm(model_or_path, device=None, dtype=None, what: str = "draft model") -> nn.Module:
+    """An HF causal LM from a Verifier, a module, or a name/folder (resolved and loaded like a verifier:
+    safetensors only)."""
+    from models.verifier import Verifier
+
+    if isinstance(model_or_path, Verifier):
+        model = model_or_path.model
+    elif isinstance(model_or_path, nn.Module):
+        model = model_or_path
+    elif isinstance(model_or_path, (str, os.PathLike)):
+        model = Verifier.from_pretrained(model_or_path, dtype=dtype, device=device).model
+    else:
+        raise TypeError(f"{what}: expected a model folder/name, a Verifier or an nn.Module, got "
+                        f"{type(model_or_path).__name__}")
+    model = model.eval().requires_grad_(False)
+    if device is not None or dtype is not None:
+        model = model.to(device=device, dtype=dtype)
+    return model
+
+
+class DraftModelDrafter(Drafter):
+    """Vanilla speculative decoding with a small causal LM over the same vocabulary, with its own static KV cache.
+
+    Chain of `num_draft_tokens`, or a tree with `branching` (each node at depth d-1 gets branching[d-1]
+    children: top-k when greedy or tree_sampling="topk", draws without replacement when tree_sampling="sample").
+    Per step: one forward over the last committed token and the root (the last committed token may be one the
+    draft model never saw, the deepest accepted draft), then one forward per tree level except the last.
+    Rollback: accepted tree nodes are compacted in the draft cache like in the verifier's; rejected slots are
+    overwritten later. A draft vocabulary larger than the verifier's is cut, a smaller one padded with -inf.
+    """
+
+    name = "draft-model"
+
+    def __init__(self, model: nn.Module, vocab_size: int, num_draft_tokens: int = 4,
+                 branching: list[int] | tuple[int, ...] | None = None, tree_sampling: str = "sample"):
+        if tree_sampling not in TREE_SAMPLING:
+            raise ValueError(f"tree_sampling={tree_sampling!r}: expected one of {TREE_SAMPLING}")
+        if branching is None:
+            if num_draft_tokens < 1:
+                raise ValueError(f"num_draft_tokens={num_draft_tokens}: expected >= 1")
+            branching = [1] * num_draft_tokens
+        self.branching = [int(k) for k in branching]
+        self.tree = Tree.from_branching(self.branching)
+        self.num_draft_tokens = self.tree.num_nodes - 1
+        self.max_depth = self.tree.max_depth
+        self.tree_sampling = tree_sampling
+        self.runner = ModelRunner(model, "draft model")
+        self.vocab_size = vocab_size
+        # Breadth-first numbering: the nodes of depth d are one consecutive range.
+        depth = self.tree.depth[0].tolist()
+        self.levels = [(depth.index(d), len(depth) - depth[::-1].index(d)) for d in range(self.max_depth + 1)]
+        self.cache = None
+
+    def describe(self) -> dict:
+        return {**super().describe(), "branching": self.branching, "tree_sampling": self.tree_sampling}
+
+    def start(self, state: DecodeState, sampling: Sampling) -> None:
+        self.tree = self.tree.to(state.device)
+        if self.cache is None or self.cache.batch_size != state.batch_size or self.cache.capacity < state.capacity:
+            self.cache = self.runner.new_cache(state.batch_size, state.capacity)
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        V, Vd = self.vocab_size, logits.shape[-1]
+        if Vd > V:
+            return logits[..., :V]
+        if Vd < V:
+            return torch.nn.functional.pad(logits, (0, V - Vd), value=torch.finfo(logits.dtype).min)
+        return logits
+
+    def observe(self, state: DecodeState, committed: Committed) -> None:
+        if committed.prefill:
+            M = committed.tokens.shape[1]
+            if M == 0:
+                return
+            pos = torch.arange(M, device=state.device).expand(state.batch_size, M)
+            mask = causal_mask(M, min(state.capacity, bucket(M)), state.device).expand(state.batch_size, -1, -1)
+            self.runner(self.cache, committed.tokens, pos, pos, mask, logits=False)
+        elif not self.tree.is_chain:
+            self.cache.compact(committed.start, committed.path)
+
+    def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
+        B, dev = state.batch_size, state.device
+        L = state.lengths  # (B,)
+        spare = state.capacity - 1  # a slot no row ever commits to (see SpeculativeDecoder._capacity)
+        window = state.capacity if min(state.lengths_host) == 0 else \
+            min(state.capacity, bucket(max(state.lengths_host) + self.num_draft_tokens + 1))
+        # 1. The last committed token (again, in case it is an accepted leaf never run here) and the root.
+        prev = (L - 1).clamp_min(0)
+        prev_slot = torch.where(L > 0, L - 1, spare)  # prompts of one token have no previous token: scratch slot
+        ids = torch.stack([state.tokens.gather(1, prev[:, None])[:, 0], state.roots()], 1)  # (B, 2)
+        pos = torch.stack([prev, L], 1)
+        slots = torch.stack([prev_slot, L], 1)
+        j = torch.arange(window, device=dev)
+        mask = torch.stack([(j[None] < L[:, None]) | (j[None] == prev_slot[:, None]), j[None] <= L[:, None]], 1)
+        level_logits = self.runner(self.cache, ids, pos, slots, mask).logits[:, 1:]  # (B, 1, Vd) after the root
+        # 2. Expand the tree level by level; the deepest level is never run through the draft model.
+        tree = self.tree.expand(B)
+        tokens, probs = [], []
+        for d in range(1, self.max_depth + 1):
+            t, p = pick_children(self._logits(level_logits), self.branching[d - 1], sampling, self.tree_sampling)
+            t = t.flatten(1)  # (B, n_d) in breadth-first order
+            tokens.append(t)
+            if p is not None:
+                probs.append(p.flatten(1, 2))
+            if d < self.max_depth:
+                s, e = self.levels[d]
+                nodes = torch.arange(s, e, device=dev)
+                mask = tree_attention_mask(L, tree.ancestors[:, s:e], window)
+                level_logits = self.runner(self.cache, t, (L[:, None] + d).expand(-1, e - s), L[:, None] + nodes,
+                                           mask).logits
+        return Draft(torch.cat(tokens, 1), self.tree, torch.cat(probs, 1) if probs else None)

@@ -1,0 +1,182 @@
+"""The drafter protocol: what the decode loop gives a drafter, and what it gets back.
+
+The loop (eval/decoder.py) per step:
+
+    draft = drafter.propose(state, sampling)            # Draft: tokens (B, N), tree, probs (B, N, V) or None
+    out   = verify(state, draft)                        # ONE verifier forward over root + N draft nodes
+    acc   = accept(draft, out.logits, sampling)         # eval.acceptance: accepted path + next token per row
+    committed = commit(state, draft, acc, out)          # verifier KV compaction, lengths, tokens buffer
+    drafter.observe(state, committed)                   # the drafter updates its own state and rolls back
+
+and once before the first step, after the verifier's prefill over the prompt minus its last token:
+
+    drafter.start(state, sampling)                      # allocate own buffers (KV cache) for this batch
+    drafter.observe(state, committed)                   # Committed for the prompt tokens (prefill=True)
+
+State seen by a drafter (`DecodeState`, all on the device): `tokens[b, :lengths[b]]` are row b's committed tokens,
+all in the verifier's KV cache at slot = position; `tokens[b, lengths[b]]` is the pending root token, chosen by
+the verifier (or the prompt's last token) and not yet run through it. A draft continues from the root.
+
+What a drafter returns (`Draft`): N draft tokens as nodes 1..N of a tree (`eval.tree.Tree`) whose node 0 is the
+root, and for sampling the exact distribution each node was drawn from (see eval/acceptance.py; None means every
+node is a deterministic pick, i.e. a one-hot draft distribution, always lossless). N, the tree's depth D and its
+branching must not change between steps of one `generate` call (fixed shapes; dynamic trees vary only which
+parent each node has, with the same N, D and max children).
+
+What a drafter is told after each step (`Committed`): the tokens that just entered the verifier's cache
+(root + accepted drafts, `count` per row), the token that follows each of them (`next_tokens`: the accepted
+drafts shifted by one, then the new root), the verifier's outputs at those tokens (post-norm hidden states, the
+inputs of the decoder layers the drafter listed in `layer_ids`, logits), and the accepted tree path. A drafter
+with its own KV cache rolls it back here: everything it wrote for rejected nodes is simply not counted
+(lengths), and accepted tree nodes are compacted to consecutive slots (`StaticKVCache.compact`).
+
+Rows whose prompt is a single token have no committed token before the first step (count 0, empty features):
+a drafter that drafts from verifier features proposes anything it likes there (say, the root repeated);
+acceptance stays lossless whatever is proposed, only that step's acceptance is poor.
+
+How Medusa and EAGLE plug in:
+  - Medusa (wants_final): observe keeps `final` at the last committed token of each row
+    (`committed.last(committed.final)`); propose runs the heads on it and expands the static tree
+    (`Tree.from_paths`) with each head's top-k (deterministic picks, probs=None) or samples.
+  - EAGLE-1 (wants_final) / EAGLE-3 (layer_ids = the three feature layers): observe feeds the pairs
+    (feature_t, next_tokens_t) for the `count` committed tokens through the draft layer into its own KV cache
+    (ragged per row: pad to M and mask), after compacting the accepted draft nodes it wrote last step; propose
+    then expands the tree from the last pair's output (chain, or EAGLE-2's dynamic tree by cumulative log-prob).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from eval.tree import Tree
+
+
+@dataclass
+class Sampling:
+    """How the next tokens are chosen; drafters use the same temperature / top-p for their own distributions."""
+
+    temperature: float = 0.0
+    """0 = greedy; otherwise softmax(logits / temperature)."""
+    top_p: float = 1.0
+    """Nucleus mass, 1 = the whole vocabulary."""
+    generator: torch.Generator | None = None
+    """Source of all randomness in the step (seeded by `generate(seed=...)`)."""
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: expected >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: expected 0 < top_p <= 1")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class DecodeState:
+    """The batch being decoded. Device tensors, plus host mirrors refreshed by the loop's one sync per step."""
+
+    tokens: torch.Tensor
+    """(B, capacity) long: committed tokens, then the pending root at index `lengths[b]`; beyond that, garbage."""
+    lengths: torch.Tensor
+    """(B,) long: committed tokens per row (= the verifier's KV-cache length; the root's position)."""
+    active: torch.Tensor
+    """(B,) bool: rows still generating. Finished rows keep being computed (fixed shapes) but never advance."""
+    prompt_lengths: torch.Tensor
+    """(B,) long."""
+    capacity: int
+    """Slots per row in the token buffer and in every KV cache."""
+    lengths_host: list[int] = field(default_factory=list)
+    """`lengths` as Python ints (valid at the start of each step)."""
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def roots(self) -> torch.Tensor:
+        """(B,) the pending root token of each row."""
+        return self.tokens.gather(1, self.lengths[:, None])[:, 0]
+
+
+@dataclass
+class Draft:
+    """A drafter's proposal for one step."""
+
+    tokens: torch.Tensor
+    """(B, N) long: draft tokens, nodes 1..N of `tree`."""
+    tree: Tree
+    """The tree over root + N nodes (batch 1 or B)."""
+    probs: torch.Tensor | None = None
+    """(B, N, V): for each node, the exact distribution it was drawn from; None = all deterministic picks."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+
+@dataclass
+class Committed:
+    """The verifier's outputs for the tokens that just entered its KV cache."""
+
+    tokens: torch.Tensor
+    """(B, M) long: committed tokens (prefill: the prompt minus its last token; step: root + accepted drafts)."""
+    next_tokens: torch.Tensor
+    """(B, M) long: the token after each (so next_tokens[b, count[b] - 1] is the new pending root)."""
+    count: torch.Tensor
+    """(B,) long: valid entries per row (0 for finished rows); entries past it are padding."""
+    start: torch.Tensor
+    """(B,) long: position (= cache slot) of tokens[:, 0]."""
+    prefill: bool
+    """True for the prompt, False after a decode step."""
+    path: torch.Tensor | None = None
+    """(B, D+1) long: after a step, the accepted tree path (node indices, padded with the last accepted node)."""
+    final: torch.Tensor | None = None
+    """(B, M, H) post-norm hidden states at `tokens`, if the drafter wants_final."""
+    layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    """layer id -> (B, M, H) that decoder layer's input at `tokens`, for the drafter's layer_ids."""
+    logits: torch.Tensor | None = None
+    """(B, M, V) verifier logits at `tokens`, if the drafter wants_logits."""
+
+    def last(self, x: torch.Tensor) -> torch.Tensor:
+        """Entry count-1 of a (B, M, ...) tensor per row: the value at the last committed token, (B, ...).
+        Rows with count 0 get entry 0."""
+        idx = (self.count - 1).clamp_min(0)
+        return x[torch.arange(x.shape[0], device=x.device), idx]
+
+
+class Drafter:
+    """Base class of everything that proposes draft tokens. Subclasses set the class attributes and override
+    `propose`; `start` / `observe` default to doing nothing (stateless drafters such as n-gram lookup)."""
+
+    name: str = "drafter"
+    num_draft_tokens: int = 0
+    """N: draft tokens per step (tree nodes besides the root)."""
+    max_depth: int = 0
+    """D: the deepest draft node (N for a chain)."""
+    layer_ids: tuple[int, ...] = ()
+    """Verifier decoder layers whose inputs the drafter needs in `Committed.layers` (EAGLE-3)."""
+    wants_final: bool = False
+    """Whether `Committed.final` (post-norm hidden states) is needed (Medusa, EAGLE-1)."""
+    wants_logits: bool = False
+    """Whether `Committed.logits` is needed."""
+
+    def start(self, state: DecodeState, sampling: Sampling) -> None:
+        """A new batch: allocate or reuse own buffers for `state.batch_size` rows of `state.capacity` slots."""
+
+    def observe(self, state: DecodeState, committed: Committed) -> None:
+        """Tokens entered the verifier's cache (prompt or one step); update own state, drop rejected speculation.
+        `state.lengths` is already advanced; `committed.start` holds the old lengths."""
+
+    def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        """Options worth reporting (goes into stats / results.json)."""
+        return {"name": self.name, "num_draft_tokens": self.num_draft_tokens, "max_depth": self.max_depth}
