@@ -40,9 +40,11 @@ EAGLE-3 (Li et al. 2025; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, sgl-proje
   index to the position ids (`position_ids + lck`). They shift `loss_mask` by k only (scoring x_{t+2+k} with
   loss_mask[t+k]); here the mask is shifted to the predicted token itself, per the convention above.
 
-  Implementation of the TTT attention: keys of all steps so far are concatenated along the sequence,
-  [K_0 | K_1 | ... | K_k] of length (k+1)T, with the boolean mask `ttt_attention_mask(T, k)` = [causal | I | ... | I],
-  and one `scaled_dot_product_attention` call per step (step 0 is plain causal attention).
+  Implementation of the TTT attention: by definition, step k attends over the keys of all steps so far concatenated
+  along the sequence, [K_0 | K_1 | ... | K_k] of length (k+1)T, with the boolean mask `ttt_attention_mask(T, k)` =
+  [causal | I | ... | I]. Most of that mask is False, so `ttt_attention` computes the same thing in O(T^2 + kT):
+  causal scores against K_0 (B, nh, T, T), plus one score per later step against the query's own key,
+  (q_t . k_j,t) (B, nh, T, k), one softmax over both, and the matching sum of values. Step 0 is plain causal SDPA.
 
 Metrics (on device, summed over batches as `StepCounts`): per step k, accuracy acc_k (greedy draft token equals the
 verifier's argmax, among positions with loss_mask[t+2+k] = 1, out-of-draft-vocab targets counting as misses),
@@ -274,6 +276,28 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | Non
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Step k >= 1 of the TTT attention, (B, nh, T, d): what SDPA over [K_0 | ... | K_k] with `ttt_attention_mask`
+    gives, without the (k+1)T-wide score matrix.
+
+    q (B, nh, T, d) (RoPE applied); keys, values: k+1 tensors (B, nkv, T, d), step 0 first (nh a multiple of nkv).
+    """
+    B, nh, T, d = q.shape
+    groups = nh // keys[0].shape[1]
+
+    def per_head(x):  # GQA: each kv head serves `groups` query heads
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    scale = d ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    prefix = (q @ per_head(keys[0]).transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # (B, nh, T, T)
+    chain_k = torch.stack([per_head(k) for k in keys[1:]], dim=3)  # (B, nh, T, k, d)
+    chain_v = torch.stack([per_head(v) for v in values[1:]], dim=3)
+    own = torch.einsum("bhtd,bhtkd->bhtk", q, chain_k) * scale  # (B, nh, T, k): q_t . k_{j,t}
+    p = torch.softmax(torch.cat([prefix, own], dim=-1).float(), dim=-1).to(q.dtype)  # (B, nh, T, T + k)
+    return p[..., :T] @ per_head(values[0]) + torch.einsum("bhtk,bhtkd->bhtd", p[..., T:], chain_v)
 
 
 @dataclass
@@ -698,9 +722,8 @@ class Eagle3Drafter(EagleDrafter):
             values.append(vv)
             if k == 0:
                 attn = self._attend(q, kk, vv, None, causal=True)
-            else:  # keys [step 0 | step 1 | ... | step k], (B, nkv, (k+1)T, d)
-                mask = ttt_attention_mask(T, k, device=q.device)
-                attn = self._attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+            else:  # the step-0 prefix causally, plus this position's own chain of keys (see `ttt_attention`)
+                attn = ttt_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
             hidden = self._block(attn, residual)
             outs.append(hidden)
         return outs

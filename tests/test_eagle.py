@@ -8,7 +8,8 @@ import torch
 
 from models.eagle import (EagleConfig, EagleError, EagleTrainModule, Eagle1Drafter, Eagle3Drafter, StepCounts,
                           build_drafter, count_tokens, draft_targets, draft_to_target, eagle1_loss,
-                          select_draft_vocab, step_counts, target_to_draft, ttt_attention_mask)
+                          select_draft_vocab, step_counts, target_to_draft, ttt_attention,
+                          ttt_attention_mask)
 from models.verifier import Verifier, VerifierError
 from tests.utils import FAMILIES
 
@@ -58,6 +59,29 @@ def test_ttt_mask_matches_its_definition():
                 for s in range(5):
                     allowed = s <= t if j == 0 else s == t
                     assert bool(mask[t, j * 5 + s]) == allowed, (step, t, j, s)
+
+
+@pytest.mark.parametrize("nkv", [4, 2])  # MHA and GQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ttt_attention_equals_sdpa_with_the_ttt_mask(nkv, dtype):
+    g = torch.Generator().manual_seed(0)
+    B, nh, T, d = 2, 4, 7, 8
+    for step in (1, 3):
+        q = torch.randn(B, nh, T, d, generator=g).to(dtype).requires_grad_()
+        keys = [torch.randn(B, nkv, T, d, generator=g).to(dtype).requires_grad_() for _ in range(step + 1)]
+        values = [torch.randn(B, nkv, T, d, generator=g).to(dtype).requires_grad_() for _ in range(step + 1)]
+        fast = ttt_attention(q, keys, values)
+        rep = nh // nkv
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), torch.cat(keys, 2).float().repeat_interleave(rep, 1),
+            torch.cat(values, 2).float().repeat_interleave(rep, 1), attn_mask=ttt_attention_mask(T, step))
+        tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+        torch.testing.assert_close(fast.float(), reference, **tol)
+        weights = torch.randn(reference.shape, generator=g)
+        grads = torch.autograd.grad((fast.float() * weights).sum(), [q, *keys, *values])
+        expected = torch.autograd.grad((reference * weights).sum(), [q, *keys, *values])
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got.float(), want.float(), **({**tol, "atol": tol["atol"] * 5}))
 
 
 def slow_ttt(drafter, ids, hidden, steps):
