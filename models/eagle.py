@@ -50,6 +50,8 @@ Metrics (on device, summed over batches as `StepCounts`): per step k, accuracy a
 verifier's argmax, among positions with loss_mask[t+2+k] = 1, out-of-draft-vocab targets counting as misses),
 conditional accuracy c_k = P(step k right | steps 0..k-1 right at that position), cumulative
 accuracy prod_{j<=k} c_j, and the simulated acceptance length 1 + sum_k prod_{j<=k} c_j (bonus token included).
+EAGLE-3's `training_loss` counts its K = ttt_steps steps; EAGLE-1's counts its one trained step, and
+`chain_counts(..., steps)` scores either version on chains it drafts from its own outputs (EAGLE-1 at inference).
 
 Inference API (for the spec-decode engine), the same for both versions:
   drafter(input_ids (B,N), hidden (B,N,H), position_ids (B,N) | None, attention_mask | None,
@@ -139,7 +141,8 @@ class EagleConfig:
     draft_vocab_size: int | None = 32000
     """EAGLE-3 draft vocabulary size, capped at the verifier's vocab; None: the whole vocabulary."""
     ttt_steps: int = 7
-    """EAGLE-3 training-time-test unroll length (steps fed the drafter's own output)."""
+    """EAGLE-3 training-time-test unroll length (steps fed the drafter's own output); EAGLE-1 trains one step and
+    is scored on chains of this many steps (`chain_counts`)."""
     decay: float = 0.8
     """EAGLE-3 weight of step k's loss is decay**k."""
     feature_weight: float = 1.0
@@ -523,6 +526,53 @@ class EagleDrafter(nn.Module):
         """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` of them, loss_mask (B, T)."""
         raise NotImplementedError
 
+    def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   steps: int | None = None) -> list[torch.Tensor]:
+        """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
+        consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` (B, T, H) is step 0's
+        hidden input: EAGLE-3 h_t = fc(features), EAGLE-1 the verifier's final feature f_t."""
+        steps = self.cfg.ttt_steps if steps is None else steps
+        B, T = input_ids.shape
+        position_ids = self._default_positions(input_ids, position_ids)
+        keys, values, outs = [], [], []
+        for k in range(steps):
+            ids_k = F.pad(input_ids[:, 1 + k:], (0, 1 + k))  # x_{t+1+k}, zero past the end
+            x, residual = self._layer_input(self.embed(ids_k), hidden)
+            q, kk, vv = self._qkv(x, position_ids + k)
+            keys.append(kk)
+            values.append(vv)
+            if k == 0:
+                attn = self._attend(q, kk, vv, None, causal=True)
+            else:  # the step-0 prefix causally, plus this position's own chain of keys (see `ttt_attention`)
+                attn = ttt_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
+            hidden = self._block(attn, residual)
+            outs.append(hidden)
+        return outs
+
+    @torch.no_grad()
+    def chain_counts(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor, steps: int | None = None,
+                     position_ids: torch.Tensor | None = None) -> StepCounts:
+        """Greedy draft chains of `steps` tokens (default ttt_steps) from every position, each step fed the
+        drafter's own previous output, scored against the verifier's argmax: the metrics of the module docstring.
+
+        EAGLE-3 with steps = ttt_steps gives the counts of `training_loss` in eval mode; EAGLE-1, which trains one
+        step, is scored on the chain it drafts at inference.
+        """
+        B, T = input_ids.shape
+        hidden = self.project_features(features.layers if self.version == 3 else [features.final])
+        outs = self.ttt_unroll(input_ids, hidden.to(self.dtype), position_ids, steps)
+        target_ids = self._target_logits(features).argmax(-1)  # (B, T): argmax q_t predicts x_{t+1}
+        correct = torch.zeros(len(outs), B, T, dtype=torch.bool, device=input_ids.device)
+        valid = torch.zeros_like(correct)
+        for k, out in enumerate(outs):
+            n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}
+            if n <= 0:
+                continue
+            draft = self.to_target_ids(self.logits(out[:, :n]).argmax(-1))  # (B, n)
+            correct[k, :, :n] = draft == target_ids[:, 1 + k:T - 1]
+            valid[k, :, :n] = loss_mask[:, 2 + k:].bool()
+        return step_counts(correct, valid)
+
     def _target_logits(self, features) -> torch.Tensor:
         if features.logits is not None:
             return features.logits
@@ -705,28 +755,6 @@ class Eagle3Drafter(EagleDrafter):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
-
-    def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   steps: int | None = None) -> list[torch.Tensor]:
-        """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
-        consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` is h_t = fc(features)."""
-        steps = self.cfg.ttt_steps if steps is None else steps
-        B, T = input_ids.shape
-        position_ids = self._default_positions(input_ids, position_ids)
-        keys, values, outs = [], [], []
-        for k in range(steps):
-            ids_k = F.pad(input_ids[:, 1 + k:], (0, 1 + k))  # x_{t+1+k}, zero past the end
-            x, residual = self._layer_input(self.embed(ids_k), hidden)
-            q, kk, vv = self._qkv(x, position_ids + k)
-            keys.append(kk)
-            values.append(vv)
-            if k == 0:
-                attn = self._attend(q, kk, vv, None, causal=True)
-            else:  # the step-0 prefix causally, plus this position's own chain of keys (see `ttt_attention`)
-                attn = ttt_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
-            hidden = self._block(attn, residual)
-            outs.append(hidden)
-        return outs
 
     def training_loss(self, input_ids, features, loss_mask, position_ids=None) -> EagleOutput:
         B, T = input_ids.shape

@@ -109,9 +109,10 @@ def slow_ttt(drafter, ids, hidden, steps):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_ttt_unroll_matches_slow_reference(verifiers, family):
+@pytest.mark.parametrize("version", [1, 3])
+def test_ttt_unroll_matches_slow_reference(verifiers, family, version):
     verifier = verifiers[family]
-    drafter = make(verifier, 3)
+    drafter = make(verifier, version)
     ids, feats = batch(verifier, drafter)
     with torch.no_grad():
         hidden = step0_hidden(drafter, feats)
@@ -121,10 +122,11 @@ def test_ttt_unroll_matches_slow_reference(verifiers, family):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"step {k}")
 
 
-def test_ttt_unroll_is_what_inference_does(verifiers):
+@pytest.mark.parametrize("version", [1, 3])
+def test_ttt_unroll_is_what_inference_does(verifiers, version):
     """Each TTT chain equals drafting with the KV cache: the step-0 prefix 0..t, then one token per step."""
     verifier = verifiers["llama"]
-    drafter = make(verifier, 3)
+    drafter = make(verifier, version)
     ids, feats = batch(verifier, drafter)
     steps = 4
     with torch.no_grad():
@@ -141,6 +143,32 @@ def test_ttt_unroll_is_what_inference_does(verifiers):
                 prev, cache = drafter(ids[:, t + 1 + k:t + 2 + k], prev, pos, past_key_value=cache)
                 torch.testing.assert_close(prev[:, 0], ttt[k][:, t], atol=1e-5, rtol=1e-5,
                                            msg=f"chain from t={t}, step {k}")
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_chain_counts_score_the_drafted_chains(verifiers, version):
+    verifier = verifiers["llama"]
+    drafter = make(verifier, version)
+    ids, feats = batch(verifier, drafter)
+    loss_mask = (torch.arange(T) % 4 != 1).long().expand(2, T)
+    steps = 4
+    with torch.no_grad():
+        counts = drafter.chain_counts(ids, feats, loss_mask, steps=steps)
+        outs = drafter.ttt_unroll(ids, step0_hidden(drafter, feats), steps=steps)
+        trained = drafter.training_loss(ids, feats, loss_mask).counts
+    greedy = feats.logits.argmax(-1)
+    for k in range(steps):  # by hand: position t's step-k draft against argmax q_{t+1+k}, scored iff x_{t+2+k} is
+        draft = drafter.to_target_ids(drafter.logits(outs[k]).argmax(-1))
+        right = scored = 0
+        for t in range(T - 2 - k):
+            if loss_mask[0, t + 2 + k]:
+                scored += 2
+                right += int((draft[:, t] == greedy[:, t + 1 + k]).sum())
+        assert (float(counts.correct[k]), float(counts.valid[k])) == (right, scored)
+    # the trainer's counts are the same chains: all K steps for EAGLE-3, step 0 for EAGLE-1
+    K = len(trained.correct)
+    for name in ("correct", "valid", "chain_correct", "chain_valid"):
+        torch.testing.assert_close(getattr(trained, name), getattr(counts, name)[:K])
 
 
 # ---- incremental inference API -------------------------------------------------------------------------------
