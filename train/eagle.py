@@ -16,7 +16,8 @@ In order (the drafter, the training-time-test unroll and the losses live in mode
   4. per micro-batch: verifier features (online: one verifier forward under no-grad keeping only the layers the
      drafter reads), the drafter's loss, backward, `loop.step` (clip, optimizer, schedule, logs, checkpoints);
   5. held-out evaluation every `train.eval_every` steps and at the end: per-step accuracy against the verifier's
-     greedy token, conditional and cumulative, and the simulated acceptance length, logged as eval/... ;
+     greedy token, conditional and cumulative, and the simulated acceptance length, logged as eval/... (EAGLE-1
+     trains one step but is scored on the `eagle.ttt_steps`-token chains it drafts from its own outputs);
   6. the export, with a training summary in its `draftheads` metadata.
 """
 
@@ -98,13 +99,17 @@ def main(cfg: EagleRunConfig) -> dict:
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     accelerator.register_for_checkpointing(scheduler)
     features = feature_source(cfg, verifier, layer_ids=drafter.feature_layers)
+    unwrapped = accelerator.unwrap_model(model).drafter
 
     # ---- held-out evaluation: counts summed over batches and processes, turned into rates once ----
     drafter_parts = ("feature_loss", "token_loss") if cfg.eagle.version == 1 else ()
 
     def measure(batch: dict) -> dict[str, torch.Tensor]:
-        out = model(batch["input_ids"], features(batch), batch["loss_mask"])
+        feats = features(batch)
+        out = model(batch["input_ids"], feats, batch["loss_mask"])
         c = out.counts
+        if cfg.eagle.version == 1:  # trained on one step; scored on the eagle.ttt_steps-token chains it drafts
+            c = unwrapped.chain_counts(batch["input_ids"], feats, batch["loss_mask"], cfg.eagle.ttt_steps)
         return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
                 "chain_correct": c.chain_correct, "chain_valid": c.chain_valid, **out.parts}
 
@@ -122,7 +127,7 @@ def main(cfg: EagleRunConfig) -> dict:
         values = {"eval/loss": float(sums["loss"] / batches), "eval/accept_length": float(summary["accept_length"])}
         for k in range(len(acc)):
             values.update({f"eval/acc_{k}": acc[k], f"eval/cond_acc_{k}": cond[k], f"eval/cum_acc_{k}": cum[k]})
-        if len(acc) > 1:
+        if len(sums["step_losses"]) > 1:
             values.update({f"eval/step_loss_{k}": v for k, v in enumerate((sums["step_losses"] / batches).tolist())})
         values.update({f"eval/{key}": float(sums[key] / batches) for key in drafter_parts})
         log_table(accelerator, "eval/per_step", ["step", "acc", "cond_acc", "cum_acc"],
