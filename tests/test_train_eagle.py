@@ -218,3 +218,20 @@ def test_accelerate_launch(tmp_path, verifier_dirs):
     result = subprocess.run([sys.executable, str(ROOT / "train/eagle.py"), "--eagle.bogus=1"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "bogus" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_two_processes(tmp_path, verifier_dirs):
+    """DDP over two CPU processes (gloo): one prepare, held-out sums reduced, per-process RNG in checkpoints."""
+    out = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline",
+           "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc_per_node=2", str(ROOT / "train/eagle.py"),
+               *tiny_args(verifier_dirs["llama"], out, 3, "--train.max_steps=2")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {p.name for p in (out / "step-000002").glob("random_states_*.pkl")} == {"random_states_0.pkl",
+                                                                                  "random_states_1.pkl"}
+    assert load_eagle(out / "drafter", Verifier.from_pretrained(verifier_dirs["llama"])).draft_vocab_size == 200
+    assert [r["step"] for r in records(out) if "eval/acc_0" in r] == [2]
