@@ -333,7 +333,12 @@ class TrainLoop:
             self.save()
 
     def print(self, message: str) -> None:
-        if not quiet():
+        """A line for people (main process, not when quiet), above the progress bar while one is shown."""
+        if quiet():
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
             self.accelerator.print(message)
 
     def summary(self) -> dict:
