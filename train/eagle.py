@@ -132,7 +132,7 @@ def main(cfg: EagleRunConfig) -> dict:
         values.update({f"eval/{key}": float(sums[key] / batches) for key in drafter_parts})
         log_table(accelerator, "eval/per_step", ["step", "acc", "cond_acc", "cum_acc"],
                   [[k, acc[k], cond[k], cum[k]] for k in range(len(acc))])
-        say(f"[eval] step {loop.state.step}: held-out accuracy per draft step {' '.join(f'{a:.3f}' for a in acc)} "
+        loop.print(f"[eval] step {loop.state.step}: held-out accuracy per draft step {' '.join(f'{a:.3f}' for a in acc)} "
             f"(step 0: {acc[0]:.3f}), simulated acceptance length {values['eval/accept_length']:.3f}")
         return values
 
