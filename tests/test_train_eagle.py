@@ -54,12 +54,14 @@ def reset_accelerate():
 
 
 def tiny_args(verifier, output_dir, version, *extra):
-    """The tiny config with a test-sized run: 32-token rows, a few steps, small draft vocab and TTT."""
+    """The tiny config with a test-sized run: 32-token rows, a few steps, small draft vocab and TTT, default feature
+    layers (the test verifiers have 4 layers), fp32."""
     return ["--config", str(ROOT / f"configs/eagle{version}-tiny.yaml"), f"--verifier={verifier}",
             f"--output_dir={output_dir}", "--data.seq_len=32", "--data.max_rows=3", "--data.eval_rows=2",
             "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=2", "--train.eval_every=2",
             "--train.eval_batches=2", "--train.log_every=1", "--train.warmup_steps=1", "--wandb.enabled=false",
-            "--eagle.ttt_steps=3", *(["--eagle.draft_vocab_size=200"] if version == 3 else []), *extra]
+            "--train.mixed_precision=no", "--eagle.ttt_steps=3",
+            *(["--eagle.draft_vocab_size=200", "--eagle.layer_ids=null"] if version == 3 else []), *extra]
 
 
 def run(*args) -> dict:
