@@ -22,6 +22,12 @@ Lossless rules (Leviathan et al. 2023, Chen et al. 2023; trees as in SpecInfer /
          the current q; when a leaf is accepted, sample the bonus token from the verifier at that leaf.
   greedy: accept while the draft token equals the verifier's argmax at its parent; in a tree keep the deepest
          fully-matching path (ties: the lowest node index); the next token is the argmax after it.
+
+Lossy, by request only: Medusa's typical acceptance (`typical_tree`, Cai et al. 2024; the Medusa repo's
+`evaluate_posterior`). A node is kept when the verifier gives its token more than
+min(epsilon, alpha * exp(-entropy)) at its parent; the deepest fully-kept path wins (ties: the higher verifier
+likelihood), and the next token is sampled from the verifier truncated to that same typical set. It accepts more
+than the lossless rules and does NOT sample from the verifier's distribution; at temperature 0 it is greedy.
 """
 
 from __future__ import annotations
@@ -211,16 +217,60 @@ def sample_tree(draft_tokens: torch.Tensor, tree: Tree, draft_probs: torch.Tenso
     return Acceptance(a, path, sample_from(q, noise))
 
 
+# ---- typical acceptance (lossy) -----------------------------------------------------------------------------------
+def typical_threshold(probs: torch.Tensor, epsilon: float, alpha: float) -> torch.Tensor:
+    """Medusa's per-position threshold min(epsilon, alpha * exp(-H(probs))), H with Medusa's +1e-5 inside the log.
+    (..., V) -> (...)"""
+    entropy = -(probs * torch.log(probs + 1e-5)).sum(-1)
+    return torch.minimum(torch.full_like(entropy, epsilon), alpha * torch.exp(-entropy))
+
+
+def typical_tree(draft_tokens: torch.Tensor, tree: Tree, target_probs: torch.Tensor, noise: torch.Tensor,
+                 epsilon: float = 0.09, alpha: float = 0.3) -> Acceptance:
+    """Medusa's typical acceptance over a tree: LOSSY (see the module docstring).
+
+    draft_tokens (B, N); target_probs (B, N+1, V) by node (temperature / top-p already applied); noise (B, V).
+    """
+    B, N = draft_tokens.shape
+    tree = tree.expand(B)
+    dev = draft_tokens.device
+    threshold = typical_threshold(target_probs, epsilon, alpha)  # (B, N+1) at each node, for its children
+    tokens = torch.cat([draft_tokens.new_zeros(B, 1), draft_tokens], 1)  # (B, N+1), root slot unused
+    parent = tree.parents.clamp_min(0)  # (B, N+1)
+    V = target_probs.shape[-1]
+    q_tok = target_probs.flatten(1).gather(1, parent * V + tokens)  # (B, N+1): q(token) at the node's parent
+    kept = q_tok > threshold.gather(1, parent)
+    kept[:, 0] = True
+    ok = ~((~kept)[:, None, :] & tree.ancestors).any(-1)  # (B, N+1): the whole path is kept
+    logq = torch.where(ok, q_tok.clamp_min(1e-30).log(), torch.zeros_like(q_tok))
+    logq[:, 0] = 0
+    likelihood = (tree.ancestors.float() @ logq[..., None])[..., 0]  # (B, N+1): log q of the path's tokens
+    depth = torch.where(ok, tree.depth, torch.full_like(tree.depth, -1))
+    deepest = depth.amax(-1, keepdim=True)
+    score = torch.where(depth == deepest, likelihood, torch.full_like(likelihood, -float("inf")))
+    best = score.argmax(-1)  # (B,) deepest kept node, then the most likely path (then the lowest index)
+    a = tree.depth.gather(1, best[:, None])[:, 0]
+    rows = torch.arange(B, device=dev)
+    q = target_probs[rows, best]  # (B, V)
+    typical_set = (q > typical_threshold(q, epsilon, alpha)[:, None]) | (q == q.amax(-1, keepdim=True))
+    return Acceptance(a, _path_to(tree, best, a), sample_from(q * typical_set, noise))
+
+
 # ---- dispatch ----------------------------------------------------------------------------------------------------
 def accept(draft_tokens: torch.Tensor, tree: Tree, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
-           temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Acceptance:
-    """Greedy at temperature 0, lossless speculative sampling otherwise; chain or tree by `tree`."""
+           temperature: float = 0.0, top_p: float = 1.0, generator: torch.Generator | None = None,
+           typical: tuple[float, float] | None = None) -> Acceptance:
+    """Greedy at temperature 0, lossless speculative sampling otherwise; chain or tree by `tree`.
+
+    typical=(epsilon, alpha) switches sampling (T > 0) to Medusa's LOSSY typical acceptance."""
     if temperature <= 0:
         return greedy_tree(draft_tokens, tree, target_logits)
     B, N = draft_tokens.shape
     target_probs = probs_from_logits(target_logits, temperature, top_p)  # (B, N+1, V)
     uniform = torch.rand(B, N, generator=generator, device=draft_tokens.device)
     noise = exponential_noise((B, target_probs.shape[-1]), generator, draft_tokens.device)
+    if typical is not None:
+        return typical_tree(draft_tokens, tree, target_probs, noise, *typical)
     if draft_probs is not None:
         draft_probs = draft_probs.float()
     return sample_tree(draft_tokens, tree, draft_probs, target_probs, uniform, noise)

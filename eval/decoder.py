@@ -7,14 +7,16 @@ verifier would have said.
     out.output_ids, out.stats.tau
 
 Methods: `autoregressive` (the baseline, same runtime), `ngram` (prompt lookup), `draft-model` (vanilla
-speculative decoding with a small LM; chain or tree); `medusa` and `eagle` plug in through eval/protocol.py.
+speculative decoding with a small LM; chain or tree), `medusa` (heads on the verifier's last hidden state, static
+tree; eval/medusa_drafter.py), `eagle` (EAGLE-1/EAGLE-3, chain or EAGLE-2's dynamic tree; eval/eagle_drafter.py).
 
 Batching: rows are left-aligned in the token buffer and in every KV cache (slot = position) with per-row lengths,
 so prompts of different lengths need no padding inside the sequence, and each row accepts its own number of
 tokens per step. Finished rows stay in the batch (fixed shapes) and stop advancing. Trees run batched as well.
 
 Host syncs: one per decode step (the accepted tokens, copied to the host to extend the outputs and decide
-whether to stop). Everything else in a step stays on the device.
+whether to stop; drafters are then shown only the longest accepted path, `Committed.trim`). Everything else in a
+step stays on the device.
 
 Exactness: greedy output equals the verifier's plain greedy decoding token for token in float32. In bf16/fp16 a
 near-tie can flip when kernel shapes change (the attention window here is bucketed, `window_bucket=64`, so it
@@ -36,6 +38,8 @@ from torch import nn
 
 from eval.acceptance import Acceptance, accept
 from eval.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, load_causal_lm
+from eval.eagle_drafter import make_eagle
+from eval.medusa_drafter import make_medusa
 from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
 from eval.runtime import ModelRunner, RunnerOutput, bucket, causal_mask
 from eval.tree import tree_attention_mask
@@ -68,6 +72,9 @@ class DecodeStats:
     time_other_s: float = 0.0
     """Acceptance, commit (KV compaction), the host sync and bookkeeping."""
     time_total_s: float = 0.0
+    lossless: bool = True
+    """False when a lossy acceptance rule ran (Medusa typical acceptance at T > 0): outputs do not follow the
+    verifier's distribution."""
 
     @property
     def steps_per_row(self) -> list[int]:
@@ -104,7 +111,7 @@ class DecodeStats:
                 "per_position_acceptance": self.per_position_acceptance(), "tokens_per_s": self.tokens_per_s,
                 "time_prefill_s": self.time_prefill_s, "time_draft_s": self.time_draft_s,
                 "time_verify_s": self.time_verify_s, "time_other_s": self.time_other_s,
-                "time_total_s": self.time_total_s}
+                "time_total_s": self.time_total_s, "lossless": self.lossless}
 
 
 @dataclass
@@ -134,16 +141,20 @@ def _draft_model(verifier, draft, device, dtype, num_draft_tokens: int | None = 
     return DraftModelDrafter(model, verifier.vocab_size, num_draft_tokens, branching, tree_sampling)
 
 
-def _not_yet(name):
-    def factory(*args, **kwargs):
-        raise NotImplementedError(f"method {name!r} is not wired into the engine yet (its drafter module lands "
-                                  "separately); available: " + ", ".join(k for k in METHODS if k not in PENDING))
-    return factory
+def _medusa(verifier, draft, device, dtype, paths=None, tree_budget: int | None = None, chain=None,
+            tree_sampling: str = "topk", acceptance: str = "lossless", typical_epsilon: float = 0.09,
+            typical_alpha: float = 0.3):
+    return make_medusa(verifier, draft, paths, tree_budget, chain, tree_sampling, acceptance, typical_epsilon,
+                       typical_alpha)
 
 
-PENDING = ("medusa", "eagle")
-METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "draft-model": _draft_model,
-           **{name: _not_yet(name) for name in PENDING}}
+def _eagle(verifier, draft, device, dtype, chain: int | None = None, depth: int = 6, top_k: int = 4,
+           total_tokens: int = 16, tree_sampling: str | None = None):
+    return make_eagle(verifier, draft, chain, depth, top_k, total_tokens, tree_sampling)
+
+
+METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "draft-model": _draft_model, "medusa": _medusa,
+           "eagle": _eagle}
 
 
 def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **options) -> Drafter:
@@ -153,7 +164,7 @@ def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **o
     factory = METHODS[method]
     params = list(inspect.signature(factory).parameters)[4:]
     unknown = sorted(set(options) - set(params))
-    if unknown and method not in PENDING:
+    if unknown:
         raise ValueError(f"method {method!r} has no option(s) {', '.join(unknown)}; "
                          f"its options: {', '.join(params) or 'none'}")
     if draft is not None and method in ("autoregressive", "ngram"):
@@ -167,7 +178,7 @@ class SpeculativeDecoder:
     `commit`)."""
 
     def __init__(self, verifier, drafter: Drafter | None = None, method: str | None = None, window_bucket: int = 64,
-                 sync_timings: bool = False):
+                 sync_timings: bool = False, fused: bool = False):
         from models.verifier import Verifier
 
         if isinstance(verifier, nn.Module) and not isinstance(verifier, Verifier):
@@ -179,6 +190,10 @@ class SpeculativeDecoder:
         self.window_bucket = window_bucket
         self.sync_timings = sync_timings
         """Synchronise the device around timed phases (exact per-phase timings on CUDA, slightly slower)."""
+        self.fused = fused
+        """Run `generate` through the fused CUDA loop (eval/cuda_loop.py: CUDA graphs, fused acceptance and KV
+        compaction kernels, one host sync per step); on the CPU it is the same loop with graphs off."""
+        self._fused_loop = None
         self.cache = None
         eos = verifier.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -188,7 +203,7 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, verifier, draft=None, method: str = "autoregressive", device=None, dtype=None,
-                        **method_options) -> "SpeculativeDecoder":
+                        fused: bool = False, **method_options) -> "SpeculativeDecoder":
         """verifier: a name/folder (`models.verifier.Verifier.from_pretrained`) or a Verifier; draft: what the
         method needs (a draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle')."""
         from models.verifier import Verifier
@@ -199,7 +214,7 @@ class SpeculativeDecoder:
         else:
             verifier = Verifier.from_pretrained(verifier, dtype=dtype, device=device)
         drafter = make_drafter(method, verifier, draft, device=device, dtype=dtype, **method_options)
-        return cls(verifier, drafter, method=method)
+        return cls(verifier, drafter, method=method, fused=fused)
 
     @property
     def device(self) -> torch.device:
@@ -293,10 +308,9 @@ class SpeculativeDecoder:
         mask = tree_attention_mask(L, tree.ancestors, self._window(state, n))  # (B, N+1, W)
         return self.runner(self.cache, ids, L[:, None] + tree.depth, slots, mask, layer_ids=self.drafter.layer_ids)
 
-    @staticmethod
-    def accept(draft: Draft, out: RunnerOutput, sampling: Sampling) -> Acceptance:
+    def accept(self, draft: Draft, out: RunnerOutput, sampling: Sampling) -> Acceptance:
         return accept(draft.tokens, draft.tree, draft.probs, out.logits, sampling.temperature, sampling.top_p,
-                      sampling.generator)
+                      sampling.generator, typical=self.drafter.typical)
 
     def commit(self, state: DecodeState, draft: Draft, acc: Acceptance, out: RunnerOutput) -> Committed:
         """Keep the accepted path: compact its K/V to consecutive slots, write its tokens and the new root, advance
@@ -338,6 +352,7 @@ class SpeculativeDecoder:
         out = self.verify(state, draft)
         acc = self.accept(draft, out, sampling)
         committed = self.commit(state, draft, acc, out)
+        committed = committed.trim(max(int(committed.count.max()), 1))
         self.drafter.observe(state, committed)
         state.lengths_host = state.lengths.tolist()
         return draft, acc, committed
@@ -357,6 +372,12 @@ class SpeculativeDecoder:
         nucleus (nothing else: no generation-config top-k). `seed` makes sampling reproducible. Rows stop after
         their first EOS (the verifier config's eos_token_id(s), or `eos_token_id`: an id, a list, or None).
         """
+        if self.fused:
+            if self._fused_loop is None:
+                from eval.cuda_loop import FusedDecoder  # imported here: eval.cuda_loop imports this module
+
+                self._fused_loop = FusedDecoder(self)
+            return self._fused_loop.generate(input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)
         prompts = self._prompts(input_ids)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
@@ -370,7 +391,8 @@ class SpeculativeDecoder:
         sampling = Sampling(temperature, top_p, generator)
         B = len(prompts)
         drafter = self.drafter
-        stats = DecodeStats(self.method, B, drafter.num_draft_tokens, accepted=[[] for _ in range(B)])
+        stats = DecodeStats(self.method, B, drafter.num_draft_tokens, accepted=[[] for _ in range(B)],
+                            lossless=drafter.typical is None or sampling.greedy)
         outputs: list[list[int]] = [[] for _ in range(B)]
         t_start = self._tick()
         if max_new_tokens == 0:
@@ -396,11 +418,14 @@ class SpeculativeDecoder:
             t2 = self._tick()
             acc = self.accept(draft, out, sampling)
             committed = self.commit(state, draft, acc, out)
+            # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots. Before the
+            # drafter's observe, so that it runs over the longest accepted path only (on a CPU a forward over 1-2
+            # tokens costs much less than over the deepest possible D+1).
+            host = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
+            committed = committed.trim(max(host[b][0] + 1 for b in range(B) if active[b]))
             t3 = self._tick()
             drafter.observe(state, committed)
             t4 = self._tick()
-            # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots.
-            host = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
             newly_done = False
             for b in range(B):
                 if not active[b]:

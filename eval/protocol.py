@@ -34,18 +34,20 @@ Rows whose prompt is a single token have no committed token before the first ste
 a drafter that drafts from verifier features proposes anything it likes there (say, the root repeated);
 acceptance stays lossless whatever is proposed, only that step's acceptance is poor.
 
-How Medusa and EAGLE plug in:
+How Medusa and EAGLE plug in (eval/medusa_drafter.py, eval/eagle_drafter.py):
   - Medusa (wants_final): observe keeps `final` at the last committed token of each row
-    (`committed.last(committed.final)`); propose runs the heads on it and expands the static tree
-    (`Tree.from_paths`) with each head's top-k (deterministic picks, probs=None) or samples.
+    (`committed.last(committed.final)`); propose runs the heads on it and fills the static tree
+    (`Tree.from_paths`) with each head's top-k (deterministic picks, probs=None) or draws without replacement.
   - EAGLE-1 (wants_final) / EAGLE-3 (layer_ids = the three feature layers): observe feeds the pairs
-    (feature_t, next_tokens_t) for the `count` committed tokens through the draft layer into its own KV cache
-    (ragged per row: pad to M and mask), after compacting the accepted draft nodes it wrote last step; propose
-    then expands the tree from the last pair's output (chain, or EAGLE-2's dynamic tree by cumulative log-prob).
+    (next_tokens_t, feature_t) of the `count` committed tokens through the draft layer into its own KV cache at
+    their positions (ragged per row: padded to M, causal mask); draft entries of the last step sit after the
+    committed slots and are simply overwritten, since accepted drafts are recomputed from the verifier's features.
+    Propose expands the chain, or EAGLE-2's dynamic tree by cumulative log-prob, from the last pair's output.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +128,8 @@ class Committed:
     """The verifier's outputs for the tokens that just entered its KV cache."""
 
     tokens: torch.Tensor
-    """(B, M) long: committed tokens (prefill: the prompt minus its last token; step: root + accepted drafts)."""
+    """(B, M) long: committed tokens (prefill: the prompt minus its last token; step: root + accepted drafts,
+    M = the largest count of the step)."""
     next_tokens: torch.Tensor
     """(B, M) long: the token after each (so next_tokens[b, count[b] - 1] is the new pending root)."""
     count: torch.Tensor
@@ -143,6 +146,14 @@ class Committed:
     """layer id -> (B, M, H) that decoder layer's input at `tokens`, for the drafter's layer_ids."""
     logits: torch.Tensor | None = None
     """(B, M, V) verifier logits at `tokens`, if the drafter wants_logits."""
+
+    def trim(self, m: int) -> "Committed":
+        """The first m columns of every (B, M, ...) field (m >= the largest count): what the decoder hands drafters
+        after a step, so a drafter runs over max(count) tokens rather than the deepest possible path."""
+        cut = lambda x: None if x is None else x[:, :m]  # noqa: E731
+        return dataclasses.replace(self, tokens=self.tokens[:, :m], next_tokens=self.next_tokens[:, :m],
+                                   final=cut(self.final), layers={i: h[:, :m] for i, h in self.layers.items()},
+                                   logits=cut(self.logits))
 
     def last(self, x: torch.Tensor) -> torch.Tensor:
         """Entry count-1 of a (B, M, ...) tensor per row: the value at the last committed token, (B, ...).
@@ -166,6 +177,9 @@ class Drafter:
     """Whether `Committed.final` (post-norm hidden states) is needed (Medusa, EAGLE-1)."""
     wants_logits: bool = False
     """Whether `Committed.logits` is needed."""
+    typical: tuple[float, float] | None = None
+    """(epsilon, alpha): sampled steps use Medusa's typical acceptance, which is LOSSY (the output no longer
+    follows the verifier's distribution). None, the default for every drafter: the lossless rules."""
 
     def start(self, state: DecodeState, sampling: Sampling) -> None:
         """A new batch: allocate or reuse own buffers for `state.batch_size` rows of `state.capacity` slots."""
@@ -179,4 +193,7 @@ class Drafter:
 
     def describe(self) -> dict:
         """Options worth reporting (goes into stats / results.json)."""
-        return {"name": self.name, "num_draft_tokens": self.num_draft_tokens, "max_depth": self.max_depth}
+        d = {"name": self.name, "num_draft_tokens": self.num_draft_tokens, "max_depth": self.max_depth}
+        if self.typical is not None:
+            d["acceptance"] = {"typical": list(self.typical), "lossless": False}
+        return d

@@ -13,9 +13,11 @@ rows here have different lengths (left-aligned rows, per-row lengths) and the dr
 Why not a custom `AttentionInterface` function: it would still need the model forward (same mask and cache
 problems), and it would replace the attention kernel that the user configured. Calling the layers keeps the
 attention kernel (SDPA or eager), the layer code and the weights exactly Hugging Face's, costs one Python call per
-layer, and leaves every buffer at a fixed address for CUDA graphs later. The price is depending on the decoder
-layer's call signature (`hidden_states, attention_mask=, position_embeddings=, position_ids=, cache=`), shared by
-the families in `SUPPORTED_MODEL_TYPES`; any other model type gets a clear error.
+layer, and leaves every buffer at a fixed address for CUDA graphs later. One substitution: for "sdpa" models each
+forward routes attention to `sdpa_gqa_attention`, the same SDPA call with `enable_gqa` instead of Hugging Face's
+copy of every kv head per query group (which its sdpa path makes whenever a mask is given). The price is depending
+on the decoder layer's call signature (`hidden_states, attention_mask=, position_embeddings=, position_ids=,
+cache=`), shared by the families in `SUPPORTED_MODEL_TYPES`; any other model type gets a clear error.
 
 Cache layout: row b's committed tokens occupy slots 0 .. len_b - 1 (slot = position); a forward writes its n new
 tokens at caller-chosen slots (the tree after the prefix), and `compact` moves the accepted path to consecutive
@@ -27,13 +29,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
 #: Model types whose decoder layers this runtime drives (same layer signature; Qwen2/Mistral sliding windows are
 #: honoured through the mask).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    """SDPA that reads grouped kv heads in place (`enable_gqa`). Hugging Face's own "sdpa" function copies them
+    `num_key_value_groups` times whenever a mask is given (every tree verification here): (B, H, W, d) per layer,
+    per forward, which on CPU costs as much memory traffic as a good part of the weights."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=groups > 1)  # (B, H, n, d)
+    return out.transpose(1, 2).contiguous(), None
+
+
+SDPA_GQA = "draftheads_sdpa_gqa"
+AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
 
 
 class UnsupportedModelError(ValueError):
@@ -50,9 +72,11 @@ class StaticKVCache(Cache):
     def __init__(self, num_layers: int, batch_size: int, capacity: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
-        shape = (batch_size, num_kv_heads, capacity, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # One tensor for every layer's keys and values, so rollback compaction is one gather and one scatter.
+        self.kv = torch.zeros(2, num_layers, batch_size, num_kv_heads, capacity, head_dim, dtype=dtype,
+                              device=device)
+        self.keys = list(self.kv[0])  # per-layer views (B, H_kv, capacity, head_dim)
+        self.values = list(self.kv[1])
         self.key_positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
         """(B, capacity) the position of the token in each slot (read by sliding-window masks)."""
         self.capacity = capacity
@@ -93,12 +117,11 @@ class StaticKVCache(Cache):
         """
         src = base[:, None] + path  # (B, P)
         dst = base[:, None] + torch.arange(path.shape[1], device=path.device)
-        for buf in (*self.keys, *self.values):
-            buf[self._rows, :, dst] = buf[self._rows, :, src]
+        self.kv[:, :, self._rows, :, dst] = self.kv[:, :, self._rows, :, src]  # all layers, keys and values
         self.key_positions[self._rows, dst] = dst
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self.kv.numel() * self.kv.element_size()
 
 
 @dataclass
@@ -166,6 +189,20 @@ class ModelRunner:
         return StaticKVCache(len(self.layers), batch_size, capacity, self.num_kv_heads, self.head_dim, self.dtype,
                              self.device)
 
+    @contextmanager
+    def _attention(self):
+        """For "sdpa" models, route attention to `sdpa_gqa_attention` for the duration of one forward (the same
+        kernel without copying the kv heads); "eager" stays eager. Restored even on error."""
+        cfg = self.config
+        if cfg._attn_implementation != "sdpa":
+            yield
+            return
+        cfg._attn_implementation_internal = SDPA_GQA
+        try:
+            yield
+        finally:
+            cfg._attn_implementation_internal = "sdpa"
+
     def _layer_masks(self, mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor):
         """(B, n, W) bool -> one additive (B, 1, n, W) mask per layer (shared objects between equal windows)."""
         neg = torch.finfo(self.dtype).min
@@ -189,13 +226,14 @@ class ModelRunner:
         position_embeddings = self.rotary_emb(h, positions)
         wanted = set(layer_ids)
         feats = {}
-        for i, layer in enumerate(self.layers):
-            if i in wanted:
-                feats[i] = h
-            h = layer(h, attention_mask=masks[i], position_embeddings=position_embeddings, position_ids=positions,
-                      cache=cache)
-            if isinstance(h, tuple):  # older layer signatures return (hidden_states, ...)
-                h = h[0]
+        with self._attention():
+            for i, layer in enumerate(self.layers):
+                if i in wanted:
+                    feats[i] = h
+                h = layer(h, attention_mask=masks[i], position_embeddings=position_embeddings,
+                          position_ids=positions, cache=cache)
+                if isinstance(h, tuple):  # older layer signatures return (hidden_states, ...)
+                    h = h[0]
         final = self.norm(h)
         return RunnerOutput(final=final, layers=feats, logits=self.lm_head(final) if logits else None)
 

@@ -105,17 +105,15 @@ class Tree:
             if not bool((parents[:, 0] == -1).all()) or not bool((parents[:, 1:] < idx[1:]).all()) or \
                     not bool((parents[:, 1:] >= 0).all()):
                 raise ValueError("tree parents must have parents[0] = -1 and 0 <= parents[i] < i for i >= 1")
-        # Ancestor-or-self matrix by walking up the tree, at most N steps (D when known).
-        ancestors = torch.zeros(B, N1, N1, dtype=torch.bool, device=parents.device)
-        ancestors[:, idx, idx] = True
-        depth = torch.zeros(B, N1, dtype=torch.long, device=parents.device)
-        cur = idx.expand(B, N1).clone()
-        rows = torch.arange(B, device=parents.device)[:, None]
+        # Ancestor-or-self matrix, one level per pass: row i = self | row of parent(i). After D passes every node
+        # has its whole chain. Gathers only (no boolean indexing), so a dynamic tree is built without a host sync.
+        eye = torch.eye(N1, dtype=torch.bool, device=parents.device).expand(B, N1, N1)
+        up = parents.clamp_min(0)[:, :, None].expand(B, N1, N1)  # row index of each node's parent
+        has_parent = (parents >= 0)[:, :, None]
+        ancestors = eye.clone()
         for _ in range(max_depth if max_depth is not None else N1 - 1):
-            cur = parents.gather(1, cur.clamp_min(0)).masked_fill(cur < 0, -1)  # (B, N+1) next ancestor up
-            has = cur >= 0
-            depth += has.long()
-            ancestors[rows.expand(B, N1)[has], idx.expand(B, N1)[has], cur[has]] = True
+            ancestors = eye | (has_parent & ancestors.gather(1, up))
+        depth = ancestors.sum(-1) - 1  # (B, N+1): ancestors besides itself
         if max_depth is None:
             max_depth = int(depth.max())
         # Children in index order: sort each node's child indices, non-children pushed to the end.

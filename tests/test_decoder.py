@@ -186,8 +186,10 @@ def test_errors(family_setup):
         make_drafter("ngram", verifier, num_drafts=3)
     with pytest.raises(ValueError, match="needs draft="):
         make_drafter("draft-model", verifier)
-    with pytest.raises(NotImplementedError, match="medusa"):
+    with pytest.raises(ValueError, match="'medusa' needs draft="):
         make_drafter("medusa", verifier)
+    with pytest.raises(ValueError, match="'eagle' needs draft="):
+        make_drafter("eagle", verifier)
     dec = SpeculativeDecoder(verifier)
     with pytest.raises(ValueError, match="row 1 is empty"):
         dec.generate([[1, 2], []], 4)

@@ -90,3 +90,49 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
         assert obs[-1] == 0, f"{obs[-1]} samples fell on outcomes of probability 0"
         obs, exp = obs[:-1], exp[:-1]
     return float(chisquare(obs, exp).pvalue)
+
+
+# ---- partially right drafters, without training ------------------------------------------------------------------
+def greedy_corpus(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt followed by the model's own greedy continuation (no EOS stop)."""
+    return [p + hf_greedy(model, p, max_new_tokens) for p in prompts]
+
+
+def fit_eagle(verifier, version: int, corpus: list[list[int]], residual_scale: float = 0.1, seed: int = 0,
+              **overrides):
+    """An EAGLE drafter that is right part of the time: its fc is the least-squares map from the drafter's input
+    (EAGLE-1: [embed(x_{t+1}); f_t]; EAGLE-3: the three layer features at t) to the verifier's next feature
+    f_{t+1} on `corpus`, and its random decoder layer is kept but scaled down (o_proj and down_proj times
+    `residual_scale`), so attention and the KV cache still shape every prediction. Eval mode, float32."""
+    from models.eagle import EagleConfig, build_drafter
+
+    torch.manual_seed(seed)
+    cfg = EagleConfig(version=version, draft_vocab_size=overrides.pop("draft_vocab_size", None), **overrides)
+    counts = None
+    if version == 3 and cfg.draft_vocab_size is not None:  # the corpus' most frequent tokens
+        counts = torch.bincount(torch.tensor([t for row in corpus for t in row]), minlength=verifier.vocab_size)
+    drafter = build_drafter(verifier, cfg, token_counts=counts)
+    xs, ys = [], []
+    for row in corpus:
+        ids = torch.tensor([row])
+        feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+        if version == 1:
+            x = torch.cat([drafter.embed(ids[:, 1:]), feats.final[:, :-1]], -1)  # (1, T-1, 2H)
+        else:
+            x = torch.cat(feats.layers, -1)[:, :-1]  # (1, T-1, 3H)
+        xs.append(x[0])
+        ys.append(feats.final[0, 1:])
+    x, y = torch.cat(xs).double(), torch.cat(ys).double()
+    if drafter.fc.bias is not None:
+        x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+    w = torch.linalg.lstsq(x, y, driver="gelsd").solution  # (in [+1], H)
+    layer = drafter.layer
+    with torch.no_grad():
+        if drafter.fc.bias is not None:
+            drafter.fc.weight.copy_(w[:-1].T)
+            drafter.fc.bias.copy_(w[-1])
+        else:
+            drafter.fc.weight.copy_(w.T)
+        layer.self_attn.o_proj.weight.mul_(residual_scale)
+        layer.mlp.down_proj.weight.mul_(residual_scale)
+    return drafter.eval().requires_grad_(False)
