@@ -4,6 +4,9 @@
     accelerate launch train/eagle.py --config configs/eagle1-tiny.yaml --train.max_steps=50
     accelerate launch --multi_gpu --num_processes 8 train/eagle.py --config configs/llama3-8b-eagle3.yaml
 
+(`python train/eagle.py ...` is the same run in one process. Run from the repository root with the project
+installed, `pip install -e .`, or with PYTHONPATH=. .)
+
 The run folder (`output_dir`) gets config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (a rerun of the
 same command continues from the newest) and drafter/, the folder vLLM loads as the speculative model
 (`engine: sglang` writes SGLang's flavour instead; see models/eagle.py for both layouts).
