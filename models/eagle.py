@@ -40,14 +40,18 @@ EAGLE-3 (Li et al. 2025; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, sgl-proje
   index to the position ids (`position_ids + lck`). They shift `loss_mask` by k only (scoring x_{t+2+k} with
   loss_mask[t+k]); here the mask is shifted to the predicted token itself, per the convention above.
 
-  Implementation of the TTT attention: keys of all steps so far are concatenated along the sequence,
-  [K_0 | K_1 | ... | K_k] of length (k+1)T, with the boolean mask `ttt_attention_mask(T, k)` = [causal | I | ... | I],
-  and one `scaled_dot_product_attention` call per step (step 0 is plain causal attention).
+  Implementation of the TTT attention: by definition, step k attends over the keys of all steps so far concatenated
+  along the sequence, [K_0 | K_1 | ... | K_k] of length (k+1)T, with the boolean mask `ttt_attention_mask(T, k)` =
+  [causal | I | ... | I]. Most of that mask is False, so `ttt_attention` computes the same thing in O(T^2 + kT):
+  causal scores against K_0 (B, nh, T, T), plus one score per later step against the query's own key,
+  (q_t . k_j,t) (B, nh, T, k), one softmax over both, and the matching sum of values. Step 0 is plain causal SDPA.
 
 Metrics (on device, summed over batches as `StepCounts`): per step k, accuracy acc_k (greedy draft token equals the
 verifier's argmax, among positions with loss_mask[t+2+k] = 1, out-of-draft-vocab targets counting as misses),
 conditional accuracy c_k = P(step k right | steps 0..k-1 right at that position), cumulative
 accuracy prod_{j<=k} c_j, and the simulated acceptance length 1 + sum_k prod_{j<=k} c_j (bonus token included).
+EAGLE-3's `training_loss` counts its K = ttt_steps steps; EAGLE-1's counts its one trained step, and
+`chain_counts(..., steps)` scores either version on chains it drafts from its own outputs (EAGLE-1 at inference).
 
 Inference API (for the spec-decode engine), the same for both versions:
   drafter(input_ids (B,N), hidden (B,N,H), position_ids (B,N) | None, attention_mask | None,
@@ -137,7 +141,8 @@ class EagleConfig:
     draft_vocab_size: int | None = 32000
     """EAGLE-3 draft vocabulary size, capped at the verifier's vocab; None: the whole vocabulary."""
     ttt_steps: int = 7
-    """EAGLE-3 training-time-test unroll length (steps fed the drafter's own output)."""
+    """EAGLE-3 training-time-test unroll length (steps fed the drafter's own output); EAGLE-1 trains one step and
+    is scored on chains of this many steps (`chain_counts`)."""
     decay: float = 0.8
     """EAGLE-3 weight of step k's loss is decay**k."""
     feature_weight: float = 1.0
@@ -274,6 +279,28 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | Non
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     diagonal = torch.eye(seq_len, dtype=torch.bool, device=device)
     return torch.cat([causal] + [diagonal] * step, dim=1)
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Step k >= 1 of the TTT attention, (B, nh, T, d): what SDPA over [K_0 | ... | K_k] with `ttt_attention_mask`
+    gives, without the (k+1)T-wide score matrix.
+
+    q (B, nh, T, d) (RoPE applied); keys, values: k+1 tensors (B, nkv, T, d), step 0 first (nh a multiple of nkv).
+    """
+    B, nh, T, d = q.shape
+    groups = nh // keys[0].shape[1]
+
+    def per_head(x):  # GQA: each kv head serves `groups` query heads
+        return x.repeat_interleave(groups, dim=1) if groups > 1 else x
+
+    scale = d ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    prefix = (q @ per_head(keys[0]).transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))  # (B, nh, T, T)
+    chain_k = torch.stack([per_head(k) for k in keys[1:]], dim=3)  # (B, nh, T, k, d)
+    chain_v = torch.stack([per_head(v) for v in values[1:]], dim=3)
+    own = torch.einsum("bhtd,bhtkd->bhtk", q, chain_k) * scale  # (B, nh, T, k): q_t . k_{j,t}
+    p = torch.softmax(torch.cat([prefix, own], dim=-1).float(), dim=-1).to(q.dtype)  # (B, nh, T, T + k)
+    return p[..., :T] @ per_head(values[0]) + torch.einsum("bhtk,bhtkd->bhtd", p[..., T:], chain_v)
 
 
 @dataclass
@@ -499,6 +526,53 @@ class EagleDrafter(nn.Module):
         """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` of them, loss_mask (B, T)."""
         raise NotImplementedError
 
+    def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   steps: int | None = None) -> list[torch.Tensor]:
+        """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
+        consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` (B, T, H) is step 0's
+        hidden input: EAGLE-3 h_t = fc(features), EAGLE-1 the verifier's final feature f_t."""
+        steps = self.cfg.ttt_steps if steps is None else steps
+        B, T = input_ids.shape
+        position_ids = self._default_positions(input_ids, position_ids)
+        keys, values, outs = [], [], []
+        for k in range(steps):
+            ids_k = F.pad(input_ids[:, 1 + k:], (0, 1 + k))  # x_{t+1+k}, zero past the end
+            x, residual = self._layer_input(self.embed(ids_k), hidden)
+            q, kk, vv = self._qkv(x, position_ids + k)
+            keys.append(kk)
+            values.append(vv)
+            if k == 0:
+                attn = self._attend(q, kk, vv, None, causal=True)
+            else:  # the step-0 prefix causally, plus this position's own chain of keys (see `ttt_attention`)
+                attn = ttt_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
+            hidden = self._block(attn, residual)
+            outs.append(hidden)
+        return outs
+
+    @torch.no_grad()
+    def chain_counts(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor, steps: int | None = None,
+                     position_ids: torch.Tensor | None = None) -> StepCounts:
+        """Greedy draft chains of `steps` tokens (default ttt_steps) from every position, each step fed the
+        drafter's own previous output, scored against the verifier's argmax: the metrics of the module docstring.
+
+        EAGLE-3 with steps = ttt_steps gives the counts of `training_loss` in eval mode; EAGLE-1, which trains one
+        step, is scored on the chain it drafts at inference.
+        """
+        B, T = input_ids.shape
+        hidden = self.project_features(features.layers if self.version == 3 else [features.final])
+        outs = self.ttt_unroll(input_ids, hidden.to(self.dtype), position_ids, steps)
+        target_ids = self._target_logits(features).argmax(-1)  # (B, T): argmax q_t predicts x_{t+1}
+        correct = torch.zeros(len(outs), B, T, dtype=torch.bool, device=input_ids.device)
+        valid = torch.zeros_like(correct)
+        for k, out in enumerate(outs):
+            n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}
+            if n <= 0:
+                continue
+            draft = self.to_target_ids(self.logits(out[:, :n]).argmax(-1))  # (B, n)
+            correct[k, :, :n] = draft == target_ids[:, 1 + k:T - 1]
+            valid[k, :, :n] = loss_mask[:, 2 + k:].bool()
+        return step_counts(correct, valid)
+
     def _target_logits(self, features) -> torch.Tensor:
         if features.logits is not None:
             return features.logits
@@ -681,29 +755,6 @@ class Eagle3Drafter(EagleDrafter):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
-
-    def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   steps: int | None = None) -> list[torch.Tensor]:
-        """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
-        consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` is h_t = fc(features)."""
-        steps = self.cfg.ttt_steps if steps is None else steps
-        B, T = input_ids.shape
-        position_ids = self._default_positions(input_ids, position_ids)
-        keys, values, outs = [], [], []
-        for k in range(steps):
-            ids_k = F.pad(input_ids[:, 1 + k:], (0, 1 + k))  # x_{t+1+k}, zero past the end
-            x, residual = self._layer_input(self.embed(ids_k), hidden)
-            q, kk, vv = self._qkv(x, position_ids + k)
-            keys.append(kk)
-            values.append(vv)
-            if k == 0:
-                attn = self._attend(q, kk, vv, None, causal=True)
-            else:  # keys [step 0 | step 1 | ... | step k], (B, nkv, (k+1)T, d)
-                mask = ttt_attention_mask(T, k, device=q.device)
-                attn = self._attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
-            hidden = self._block(attn, residual)
-            outs.append(hidden)
-        return outs
 
     def training_loss(self, input_ids, features, loss_mask, position_ids=None) -> EagleOutput:
         B, T = input_ids.shape

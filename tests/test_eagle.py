@@ -8,7 +8,8 @@ import torch
 
 from models.eagle import (EagleConfig, EagleError, EagleTrainModule, Eagle1Drafter, Eagle3Drafter, StepCounts,
                           build_drafter, count_tokens, draft_targets, draft_to_target, eagle1_loss,
-                          select_draft_vocab, step_counts, target_to_draft, ttt_attention_mask)
+                          select_draft_vocab, step_counts, target_to_draft, ttt_attention,
+                          ttt_attention_mask)
 from models.verifier import Verifier, VerifierError
 from tests.utils import FAMILIES
 
@@ -60,6 +61,29 @@ def test_ttt_mask_matches_its_definition():
                     assert bool(mask[t, j * 5 + s]) == allowed, (step, t, j, s)
 
 
+@pytest.mark.parametrize("nkv", [4, 2])  # MHA and GQA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ttt_attention_equals_sdpa_with_the_ttt_mask(nkv, dtype):
+    g = torch.Generator().manual_seed(0)
+    B, nh, T, d = 2, 4, 7, 8
+    for step in (1, 3):
+        q = torch.randn(B, nh, T, d, generator=g).to(dtype).requires_grad_()
+        keys = [torch.randn(B, nkv, T, d, generator=g).to(dtype).requires_grad_() for _ in range(step + 1)]
+        values = [torch.randn(B, nkv, T, d, generator=g).to(dtype).requires_grad_() for _ in range(step + 1)]
+        fast = ttt_attention(q, keys, values)
+        rep = nh // nkv
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            q.float(), torch.cat(keys, 2).float().repeat_interleave(rep, 1),
+            torch.cat(values, 2).float().repeat_interleave(rep, 1), attn_mask=ttt_attention_mask(T, step))
+        tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+        torch.testing.assert_close(fast.float(), reference, **tol)
+        weights = torch.randn(reference.shape, generator=g)
+        grads = torch.autograd.grad((fast.float() * weights).sum(), [q, *keys, *values])
+        expected = torch.autograd.grad((reference * weights).sum(), [q, *keys, *values])
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got.float(), want.float(), **({**tol, "atol": tol["atol"] * 5}))
+
+
 def slow_ttt(drafter, ids, hidden, steps):
     """Loop over steps k and positions t: query (k, t) attends to step-0 keys s <= t and to (j, t), 1 <= j <= k."""
     B, T_ = ids.shape
@@ -85,9 +109,10 @@ def slow_ttt(drafter, ids, hidden, steps):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_ttt_unroll_matches_slow_reference(verifiers, family):
+@pytest.mark.parametrize("version", [1, 3])
+def test_ttt_unroll_matches_slow_reference(verifiers, family, version):
     verifier = verifiers[family]
-    drafter = make(verifier, 3)
+    drafter = make(verifier, version)
     ids, feats = batch(verifier, drafter)
     with torch.no_grad():
         hidden = step0_hidden(drafter, feats)
@@ -97,10 +122,11 @@ def test_ttt_unroll_matches_slow_reference(verifiers, family):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"step {k}")
 
 
-def test_ttt_unroll_is_what_inference_does(verifiers):
+@pytest.mark.parametrize("version", [1, 3])
+def test_ttt_unroll_is_what_inference_does(verifiers, version):
     """Each TTT chain equals drafting with the KV cache: the step-0 prefix 0..t, then one token per step."""
     verifier = verifiers["llama"]
-    drafter = make(verifier, 3)
+    drafter = make(verifier, version)
     ids, feats = batch(verifier, drafter)
     steps = 4
     with torch.no_grad():
@@ -117,6 +143,32 @@ def test_ttt_unroll_is_what_inference_does(verifiers):
                 prev, cache = drafter(ids[:, t + 1 + k:t + 2 + k], prev, pos, past_key_value=cache)
                 torch.testing.assert_close(prev[:, 0], ttt[k][:, t], atol=1e-5, rtol=1e-5,
                                            msg=f"chain from t={t}, step {k}")
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_chain_counts_score_the_drafted_chains(verifiers, version):
+    verifier = verifiers["llama"]
+    drafter = make(verifier, version)
+    ids, feats = batch(verifier, drafter)
+    loss_mask = (torch.arange(T) % 4 != 1).long().expand(2, T)
+    steps = 4
+    with torch.no_grad():
+        counts = drafter.chain_counts(ids, feats, loss_mask, steps=steps)
+        outs = drafter.ttt_unroll(ids, step0_hidden(drafter, feats), steps=steps)
+        trained = drafter.training_loss(ids, feats, loss_mask).counts
+    greedy = feats.logits.argmax(-1)
+    for k in range(steps):  # by hand: position t's step-k draft against argmax q_{t+1+k}, scored iff x_{t+2+k} is
+        draft = drafter.to_target_ids(drafter.logits(outs[k]).argmax(-1))
+        right = scored = 0
+        for t in range(T - 2 - k):
+            if loss_mask[0, t + 2 + k]:
+                scored += 2
+                right += int((draft[:, t] == greedy[:, t + 1 + k]).sum())
+        assert (float(counts.correct[k]), float(counts.valid[k])) == (right, scored)
+    # the trainer's counts are the same chains: all K steps for EAGLE-3, step 0 for EAGLE-1
+    K = len(trained.correct)
+    for name in ("correct", "valid", "chain_correct", "chain_valid"):
+        torch.testing.assert_close(getattr(trained, name), getattr(counts, name)[:K])
 
 
 # ---- incremental inference API -------------------------------------------------------------------------------

@@ -58,3 +58,47 @@ def test_heldout_sums_count_batches_and_restore_the_mode(tmp_path):
     assert sums["per_column"].tolist() == [6.0, 6.0, 6.0]
     assert float(heldout_sums(accelerator, model, data, 0, measure)["batches"]) == 5  # 0: all
     assert heldout_sums(accelerator, model, [], 8, measure) == {}
+
+
+def test_resume_restores_the_random_stream_a_training_step_draws_from(tmp_path):
+    """A step that draws noise (EAGLE-1 features, LoRA dropout) resumes exactly: starting a data-loader iterator
+    must not consume the global RNG, or the resumed run's noise is shifted by one draw."""
+    from train.config import TrainConfig
+    from train.loop import TrainLoop, build_optimizer, cosine_schedule, make_dataloaders
+
+    class Crash(Exception):
+        pass
+
+    rows = [{"x": torch.full((3,), float(i))} for i in range(12)]
+
+    def collate(batch):
+        return {"x": torch.stack([r["x"] for r in batch])}
+
+    def train(folder, crash_at=None):
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        cfg = RunConfig(output_dir=str(folder), wandb=WandbConfig(enabled=False),
+                        train=TrainConfig(max_steps=8, batch_size=2, save_every=3, log_every=1, lr=0.1))
+        accelerator = build_accelerator(cfg)
+        model = nn.Linear(3, 1)
+        optimizer = build_optimizer(model, cfg)
+        scheduler = cosine_schedule(optimizer, cfg)
+        train_dl, _ = make_dataloaders(rows, rows[:2], cfg, collate)
+        model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+        accelerator.register_for_checkpointing(scheduler)
+        loop = TrainLoop(accelerator, cfg, model, optimizer, scheduler, train_dl)
+        loop.resume()
+        for batch in loop.batches():
+            loss = model(batch["x"] + torch.rand_like(batch["x"])).pow(2).mean()
+            accelerator.backward(loss)
+            loop.step(loss)
+            if loop.state.step == crash_at:
+                raise Crash
+        return accelerator.unwrap_model(model).weight.detach().clone()
+
+    straight = train(tmp_path / "a")
+    with pytest.raises(Crash):
+        train(tmp_path / "b", crash_at=4)  # resumes from step 3, in the second epoch's first iterator
+    torch.testing.assert_close(train(tmp_path / "b"), straight, rtol=0, atol=0)

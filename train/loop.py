@@ -141,10 +141,13 @@ def make_dataloaders(train_ds, eval_ds, cfg: RunConfig, collate: Callable) -> tu
         raise ValueError(
             f"training data has {len(train_ds)} sequences, fewer than train.batch_size={cfg.train.batch_size}; "
             "add data or lower the batch size")
+    # Own generators: a loader without one draws its workers' base seed from the global RNG each time an iterator
+    # starts, so a resumed run (one more iterator after the RNG state is restored) would draw different noise/dropout.
     train_dl = DataLoader(train_ds, batch_size=cfg.train.batch_size, sampler=EpochSampler(len(train_ds), cfg.train.seed),
-                          collate_fn=collate, drop_last=True, num_workers=cfg.train.num_workers)
+                          collate_fn=collate, drop_last=True, num_workers=cfg.train.num_workers,
+                          generator=torch.Generator().manual_seed(cfg.train.seed))
     eval_dl = DataLoader(eval_ds, batch_size=cfg.train.batch_size, shuffle=False, collate_fn=collate,
-                         num_workers=cfg.train.num_workers)
+                         num_workers=cfg.train.num_workers, generator=torch.Generator().manual_seed(cfg.train.seed))
     return train_dl, eval_dl
 
 
@@ -331,7 +334,12 @@ class TrainLoop:
             self.save()
 
     def print(self, message: str) -> None:
-        if not quiet():
+        """A line for people (main process, not when quiet), above the progress bar while one is shown."""
+        if quiet():
+            return
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
             self.accelerator.print(message)
 
     def summary(self) -> dict:

@@ -1,0 +1,175 @@
+"""Train an EAGLE-1 or EAGLE-3 drafter on a frozen verifier's hidden states.
+
+    accelerate launch train/eagle.py --config configs/eagle3-tiny.yaml
+    accelerate launch train/eagle.py --config configs/eagle1-tiny.yaml --train.max_steps=50
+    accelerate launch --multi_gpu --num_processes 8 train/eagle.py --config configs/llama3-8b-eagle3.yaml
+
+(`python train/eagle.py ...` is the same run in one process. Run from the repository root with the project
+installed, `pip install -e .`, or with PYTHONPATH=. .)
+
+The run folder (`output_dir`) gets config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (a rerun of the
+same command continues from the newest) and drafter/, the folder vLLM loads as the speculative model
+(`engine: sglang` writes SGLang's flavour instead; see models/eagle.py for both layouts).
+
+In order (the drafter, the training-time-test unroll and the losses live in models/eagle.py):
+  1. the frozen verifier and its tokenizer; fixed-length token rows of the training and held-out data;
+  2. EAGLE-3 only: the draft vocabulary, the `eagle.draft_vocab_size` tokens most often *trained on* (counted at
+     loss-masked positions of every training row, identically on every process, so no broadcast is needed);
+  3. the drafter, AdamW, the warm-up + cosine schedule, and one `accelerator.prepare`;
+  4. per micro-batch: verifier features (online: one verifier forward under no-grad keeping only the layers the
+     drafter reads), the drafter's loss, backward, `loop.step` (clip, optimizer, schedule, logs, checkpoints);
+  5. held-out evaluation every `train.eval_every` steps and at the end: per-step accuracy against the verifier's
+     greedy token, conditional and cumulative, and the simulated acceptance length, logged as eval/... (EAGLE-1
+     trains one step but is scored on the `eagle.ttt_steps`-token chains it drafts from its own outputs);
+  6. the export, with a training summary in its `draftheads` metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from data.progress import quiet
+from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens, export_eagle
+from train.config import ConfigError, RunConfig, main_guard
+from train.features import batch_tokens, feature_source
+from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
+                        load_verifier, log_table)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EagleRunConfig(RunConfig):
+    """An EAGLE-1 / EAGLE-3 drafter training run."""
+
+    output_dir: str = "runs/eagle"
+    """Run folder: config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints and the exported drafter in drafter/."""
+    eagle: EagleConfig = field(default_factory=EagleConfig)
+    """The drafter: version, feature layers, draft vocabulary, TTT steps and loss weights."""
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """Layout of the exported drafter: vLLM's (layers.0.*, our layer ids) or SGLang's (midlayer.*, ids - 1)."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the exported weights (training keeps fp32 master weights either way)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.features == "offline":  # fail before loading a verifier and tokenising the data
+            raise ConfigError("features=offline: the EAGLE trainer reads the hidden-state cache once it exists "
+                              "(the Scale issue); use features=online for now")
+
+
+def draft_vocab_counts(dataset, vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """(V,) int64: how often each token is a training target (loss_mask = 1) in a dataset of token rows."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for rows in dataset.iter(batch_size=rows_per_chunk):  # (n, T) columns, read in chunks: no full copy in memory
+        counts += count_tokens(torch.as_tensor(rows["input_ids"]), torch.as_tensor(rows["loss_mask"]), vocab_size)
+    return counts
+
+
+def step_metrics(out: EagleOutput) -> dict[str, torch.Tensor]:
+    """Per-batch train metrics, device scalars: accuracy of each TTT step, acceptance length, loss parts."""
+    summary = out.counts.summary()
+    metrics = {f"acc_{k}": acc for k, acc in enumerate(summary["acc"])}
+    metrics["accept_length"] = summary["accept_length"]
+    if len(out.step_losses) > 1:
+        metrics.update({f"step_loss_{k}": loss for k, loss in enumerate(out.step_losses)})
+    return {**metrics, **out.parts}
+
+
+def main(cfg: EagleRunConfig) -> dict:
+    """Train, evaluate and export; returns the training summary stored in the export (main process)."""
+    accelerator = build_accelerator(cfg)
+    say = (lambda message: None) if quiet() else accelerator.print
+
+    verifier, tokenizer = load_verifier(cfg, accelerator.device)
+    train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
+    say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
+        f"{cfg.data.seq_len} tokens ({cfg.data.source})")
+
+    # EAGLE-3's draft vocabulary: the most frequent *target* tokens of the training data (d2t/t2d go in the export).
+    token_counts, coverage = None, None
+    if cfg.eagle.version == 3:
+        token_counts = draft_vocab_counts(train_dl.dataset, verifier.vocab_size)
+    drafter = build_drafter(verifier, cfg.eagle, token_counts=token_counts)
+    if token_counts is not None:
+        coverage = float(token_counts[drafter.t2d.cpu()].sum() / token_counts.sum().clamp(min=1))
+        say(f"[eagle3] draft vocabulary {drafter.draft_vocab_size} of {verifier.vocab_size} tokens covers "
+            f"{coverage:.1%} of the training targets")
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    say(f"[eagle{cfg.eagle.version}] {n_params / 1e6:.2f}M trainable parameters; verifier features: layers "
+        f"{drafter.feature_layers or 'final'} ({cfg.features})")
+
+    model = EagleTrainModule(drafter)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = cosine_schedule(optimizer, cfg)
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    accelerator.register_for_checkpointing(scheduler)
+    features = feature_source(cfg, verifier, layer_ids=drafter.feature_layers)
+    unwrapped = accelerator.unwrap_model(model).drafter
+
+    # ---- held-out evaluation: counts summed over batches and processes, turned into rates once ----
+    drafter_parts = ("feature_loss", "token_loss") if cfg.eagle.version == 1 else ()
+
+    def measure(batch: dict) -> dict[str, torch.Tensor]:
+        feats = features(batch)
+        out = model(batch["input_ids"], feats, batch["loss_mask"])
+        c = out.counts
+        if cfg.eagle.version == 1:  # trained on one step; scored on the eagle.ttt_steps-token chains it drafts
+            c = unwrapped.chain_counts(batch["input_ids"], feats, batch["loss_mask"], cfg.eagle.ttt_steps)
+        return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
+                "chain_correct": c.chain_correct, "chain_valid": c.chain_valid, **out.parts}
+
+    evaluated_at = None
+
+    def evaluate() -> dict[str, float]:
+        nonlocal evaluated_at
+        evaluated_at = loop.state.step
+        sums = heldout_sums(accelerator, model, eval_dl, cfg.train.eval_batches, measure)
+        if not sums:
+            return {}
+        summary = StepCounts(sums["correct"], sums["valid"], sums["chain_correct"], sums["chain_valid"]).summary()
+        batches = sums.pop("batches")
+        acc, cond, cum = (summary[k].tolist() for k in ("acc", "cond_acc", "cum_acc"))  # the sync point
+        values = {"eval/loss": float(sums["loss"] / batches), "eval/accept_length": float(summary["accept_length"])}
+        for k in range(len(acc)):
+            values.update({f"eval/acc_{k}": acc[k], f"eval/cond_acc_{k}": cond[k], f"eval/cum_acc_{k}": cum[k]})
+        if len(sums["step_losses"]) > 1:
+            values.update({f"eval/step_loss_{k}": v for k, v in enumerate((sums["step_losses"] / batches).tolist())})
+        values.update({f"eval/{key}": float(sums[key] / batches) for key in drafter_parts})
+        log_table(accelerator, "eval/per_step", ["step", "acc", "cond_acc", "cum_acc"],
+                  [[k, acc[k], cond[k], cum[k]] for k in range(len(acc))])
+        loop.print(f"[eval] step {loop.state.step}: held-out accuracy per draft step {' '.join(f'{a:.3f}' for a in acc)} "
+            f"(step 0: {acc[0]:.3f}), simulated acceptance length {values['eval/accept_length']:.3f}")
+        return values
+
+    # ---- the loop ----
+    loop = TrainLoop(accelerator, cfg, model, optimizer, scheduler, train_dl, evaluate=evaluate)
+    loop.resume()
+    for batch in loop.batches():
+        feats = features(batch)  # frozen verifier, no grad: outside the autocast/accumulate block on purpose
+        with accelerator.accumulate(model):
+            out = model(batch["input_ids"], feats, batch["loss_mask"])
+            accelerator.backward(out.loss)
+            loop.step(out.loss, step_metrics(out), tokens=batch_tokens(batch))
+    loop.finish()
+    if evaluated_at != loop.state.step:
+        loop.log(evaluate())
+
+    # ---- export ----
+    summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
+    if coverage is not None:
+        summary["draft_vocab_coverage"] = coverage
+    if accelerator.is_main_process:
+        drafter = accelerator.unwrap_model(model).drafter.to(DTYPES[cfg.export_dtype])  # training is over
+        folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
+        say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary
+
+
+if __name__ == "__main__":
+    main_guard(main, EagleRunConfig)
