@@ -22,7 +22,8 @@ values are YAML: 3, true, [3, 2, 1], [[0], [1], [0, 0]]):
     medusa        (the export's tree) | paths=[[0],[1],[0,0]] | tree_budget=N | chain=K; acceptance=typical
     eagle         depth=6 top_k=4 total_tokens=16 (EAGLE-2 dynamic tree) | chain=K
     hf            Hugging Face generate (greedy / sampling exactly as the engine)
-    hf-assisted   HF assisted generation: assistant_model = the draft-model run's model, else prompt lookup
+    hf-assisted   HF assisted generation: assistant_model = the draft-model run's model, else prompt lookup;
+                  assistant=draft-model|prompt-lookup prompt_lookup_num_tokens=4 max_matching_ngram_size=3
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 ENGINE_METHODS = ("autoregressive", "ngram", "draft-model", "medusa", "eagle")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle")
 COMPARE = ("autoregressive", "hf", "hf-assisted")
+HF_ASSISTED_OPTIONS = ["assistant", "prompt_lookup_num_tokens", "max_matching_ngram_size"]
 
 
 class UsageError(ValueError):
@@ -119,8 +121,8 @@ def method_specs(methods: list[str] | None, drafts: list[str], options: list[str
     if dup:
         raise UsageError(f"--method: the label(s) {', '.join(dup)} appear twice; name them, e.g. "
                          f"--method {dup[0]}2={dup[0]}")
-    accepted = {s.label: list(inspect.signature(METHODS[s.method]).parameters)[4:] if s.method in METHODS else []
-                for s in specs}
+    accepted = {s.label: list(inspect.signature(METHODS[s.method]).parameters)[4:] if s.method in METHODS else
+                HF_ASSISTED_OPTIONS if s.method == "hf-assisted" else [] for s in specs}
     for entry in options:
         key, eq, value = entry.partition("=")
         if not eq or not key:

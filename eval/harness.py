@@ -20,7 +20,8 @@ Hugging Face baselines, on the same prompts and the same verifier module:
   - `hf-assisted`  HF assisted generation, batch 1 (HF supports no more): with `assistant_model` = the draft model
                    of a `draft-model` spec (drafting `num_assistant_tokens` = that spec's draft length, constant
                    schedule, no confidence cut-off, so it drafts what our chain drafts), else prompt lookup
-                   (`prompt_lookup_num_tokens` 4, `max_matching_ngram_size` 3, like the `ngram` method).
+                   (`prompt_lookup_num_tokens` 4, `max_matching_ngram_size` 3, like the `ngram` method); the
+                   option assistant="prompt-lookup" / "draft-model" chooses explicitly.
                    Its tau is new tokens / verifier forwards (counted with a forward hook).
 """
 
@@ -223,11 +224,19 @@ def build_runners(verifier, specs: list[MethodSpec], dtype=None) -> list:
     draft_model = next((s for s in specs if s.method == "draft-model"), None)
     for spec in specs:
         if spec.method in HF_METHODS:
+            options = dict(spec.options)
+            kind = options.pop("assistant", "draft-model" if draft_model is not None else "prompt-lookup")
+            if spec.method == "hf" and "assistant" in spec.options:
+                raise ValueError(f"{spec.label}: plain `hf` takes no assistant")
+            if kind not in ("draft-model", "prompt-lookup"):
+                raise ValueError(f"{spec.label}: assistant={kind!r}; expected 'draft-model' or 'prompt-lookup'")
             assistant, n = None, 4
-            if spec.method == "hf-assisted" and draft_model is not None:
+            if spec.method == "hf-assisted" and kind == "draft-model":
+                if draft_model is None:
+                    raise ValueError(f"{spec.label}: assistant='draft-model' needs a draft-model method in the run")
                 assistant = drafters[draft_model.label].runner.model
                 n = drafters[draft_model.label].num_draft_tokens
-            runners[spec.label] = HFRunner(spec, verifier, assistant, num_assistant_tokens=n, **spec.options)
+            runners[spec.label] = HFRunner(spec, verifier, assistant, num_assistant_tokens=n, **options)
         else:
             dec = SpeculativeDecoder(verifier, drafters[spec.label], spec.method, fused=spec.fused)
             runners[spec.label] = EngineRunner(spec, verifier, dec)
