@@ -256,8 +256,10 @@ def run_methods(verifier, specs: list[MethodSpec], prompts: list[tuple[str, list
     device = verifier.device
     B = settings.batch_size
     batches = [prompts[i: i + B] for i in range(0, len(prompts), B)]
-    first = [prompts[0][1]]
-    for runner in runners:  # warm-up, untimed
+    for runner in runners:  # warm-up, untimed: the first batch's shapes (buffers, KV caches), a few tokens
+        first = [p[1] for p in batches[0]]
+        if isinstance(runner, HFRunner) and runner.assisted:
+            first = first[:1]
         runner.generate(first, settings, settings.seed, min(settings.warmup_tokens, settings.max_new_tokens))
     hf_forwards = {s.label: 0 for s in specs}
     bar = tqdm(total=len(prompts) * len(specs), desc=desc, unit="prompt",
