@@ -85,9 +85,10 @@ def train_draft_model(verifier: str, out: str | Path, layers: int = 1, steps: in
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        losses.append(loss.detach())
+        loss = loss.detach()
+        losses.append(loss)
         if step % 20 == 0 or step == steps - 1:
-            bar.set_postfix(kl=f"{float(loss):.3f}")
+            bar.set_postfix(kl=f"{loss.item():.3f}")  # a sync every 20 steps
     bar.close()
     student.eval().requires_grad_(False)
     out = Path(out)

@@ -10,36 +10,15 @@ import torch
 from eval.__main__ import UsageError, main, method_specs
 from eval.report import read_results
 from eval.verify import recheck
-from models.verifier import Verifier
-from tests.chat_tokenizers import plain_tokenizer
-from tests.utils import fit_eagle, greedy_corpus, noisy_copy, peaked_model
+from tests.eval_fixtures import build_eval_setup
+from tests.utils import peaked_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """A peaked random Llama (vocab 512) saved with a 500-token BPE, a noisy copy of it as a draft model (same
-    tokenizer), and an EAGLE-3 export fitted on the verifier's greedy continuations of the first HumanEval
-    prompts."""
-    from data.prompts import load_prompts, prompt_ids
-    from models.eagle import export_eagle
-
-    root = tmp_path_factory.mktemp("evalcli")
-    tok = plain_tokenizer()
-    eos = tok.eos_token_id
-    model = peaked_model("llama", vocab_size=512, max_position_embeddings=1024, eos_token_id=eos, pad_token_id=eos,
-                         bos_token_id=None)
-    model.save_pretrained(root / "verifier")
-    tok.save_pretrained(root / "verifier")
-    draft = noisy_copy(model, 0.1)
-    draft.save_pretrained(root / "draft")
-    tok.save_pretrained(root / "draft")
-    verifier = Verifier.from_pretrained(root / "verifier")
-    prompts = [prompt_ids(p, tok) for p in load_prompts("humaneval", 3)]
-    drafter = fit_eagle(verifier, 3, greedy_corpus(verifier.model, prompts, 16), draft_vocab_size=256)
-    export_eagle(drafter, root / "eagle3", verifier)
-    return root
+    return build_eval_setup(tmp_path_factory.mktemp("evalcli"))
 
 
 def test_cli_end_to_end(tiny_run, tmp_path, capsys):
