@@ -54,6 +54,14 @@ def build_accelerator(cfg: RunConfig):
         project_dir=cfg.output_dir,
         step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, whatever the world size
     )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        # `accelerate launch --multi_gpu` on a machine without GPUs starts N independent single-process runs that
+        # would all write output_dir; refuse instead of training N unsynchronised copies.
+        raise ConfigError(
+            f"launched as {launched} processes (WORLD_SIZE={launched}) but Accelerate set up "
+            f"{accelerator.num_processes} ({accelerator.distributed_type}); without GPUs set ACCELERATE_USE_CPU=true "
+            "(or `accelerate launch --cpu --num_processes N`) so the processes train together over gloo")
     set_seed(cfg.train.seed)
     if log_with:
         init_wandb(accelerator, cfg)
