@@ -230,8 +230,9 @@ def test_two_processes(tmp_path, verifier_dirs):
     out = tmp_path / "ddp"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline",
            "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node=2", str(ROOT / "train/eagle.py"),
+    launcher = Path(sys.executable).with_name("accelerate")  # without GPUs: two gloo processes (ACCELERATE_USE_CPU)
+    command = [str(launcher), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
+               "--dynamo_backend=no", str(ROOT / "train/eagle.py"),
                *tiny_args(verifier_dirs["llama"], out, 3, "--train.max_steps=2")]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -79,8 +80,10 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, state: TrainStat
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
         _fsync_tree(tmp)
+        _crash_hook(state.step, "before_marker")
         (tmp / MARKER).write_text("ok\n")
         _fsync_tree(tmp)
+        _crash_hook(state.step, "before_rename")
         if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -95,6 +98,17 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
     """Restore weights, optimizer, scheduler and RNG (through accelerate) and return the loop position."""
     accelerator.load_state(str(path))
     return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+CRASH_HOOK = "DRAFTHEADS_TEST_CHECKPOINT_KILL"
+
+
+def _crash_hook(step: int, point: str) -> None:
+    """Tests only: `DRAFTHEADS_TEST_CHECKPOINT_KILL=<step>:<point>` kills this process (SIGKILL, no cleanup) at
+    `point` (`before_marker`: every file written but no COMPLETE; `before_rename`: complete but still .tmp) of the
+    checkpoint of `step`, so a test can land inside a checkpoint write deterministically."""
+    if os.environ.get(CRASH_HOOK) == f"{step}:{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _fsync_tree(folder: Path) -> None:
