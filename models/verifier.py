@@ -96,6 +96,19 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+def _unreadable_safetensors(folder: Path) -> tuple[str, str] | None:
+    """(file name, reason) of the first .safetensors file whose header or size is broken, else None."""
+    from safetensors import safe_open
+
+    for path in _safetensors_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # SafetensorError: truncated file, bad header
+            return path.name, str(err)
+    return None
+
+
 def fingerprint_files(folder: Path, config: dict) -> str:
     """Hash of the checkpoint on disk: config shape fields, every tensor's name/dtype/shape and its first values.
 
@@ -175,6 +188,11 @@ class Verifier(nn.Module):
             model = AutoModelForCausalLM.from_pretrained(
                 folder, config=config, use_safetensors=True, trust_remote_code=trust_remote_code, **kwargs)
         except Exception as err:  # corrupt shard, wrong shapes: say which folder
+            damaged = _unreadable_safetensors(folder)
+            if damaged:
+                raise VerifierError(
+                    f"verifier folder {str(folder)!r}: weights file {damaged[0]} is corrupt or incomplete ({damaged[1]}); "
+                    "download or copy it again") from None
             raise VerifierError(f"verifier folder {str(folder)!r} failed to load: {type(err).__name__}: {err}") from None
         if device is not None:
             model = model.to(device)

@@ -117,6 +117,11 @@ def load_verifier(cfg: RunConfig, device):
         tokenizer = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise VerifierError(f"verifier folder {str(verifier.path)!r}: cannot load its tokenizer ({err})") from None
+    context = getattr(verifier.config, "max_position_embeddings", None)
+    if context and cfg.data.seq_len > context:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is longer than the verifier's context ({str(verifier.path)!r}: "
+            f"max_position_embeddings={context}); set data.seq_len <= {context}")
     if len(tokenizer) > verifier.vocab_size:
         raise VerifierError(
             f"tokenizer of {str(verifier.path)!r} has {len(tokenizer)} tokens but the verifier's vocab_size is "
