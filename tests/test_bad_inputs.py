@@ -161,6 +161,13 @@ def test_fp16_on_cpu_is_refused(tmp_path):
         build_accelerator(cfg)
 
 
+def test_launch_config_grad_accum_must_match_the_run_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")  # what a DeepSpeed launch config sets
+    cfg = RunConfig(output_dir=str(tmp_path), wandb=WandbConfig(enabled=False))
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps=4 but train.grad_accum=1; make them equal"):
+        build_accelerator(cfg)
+
+
 # ---- the numerical guard, end to end -------------------------------------------------------------------------
 def test_nonfinite_losses_stop_the_run_with_the_last_good_checkpoint_intact(tmp_path, verifier_dir):
     out = tmp_path / "run"

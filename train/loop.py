@@ -62,6 +62,12 @@ def build_accelerator(cfg: RunConfig):
             f"launched as {launched} processes (WORLD_SIZE={launched}) but Accelerate set up "
             f"{accelerator.num_processes} ({accelerator.distributed_type}); without GPUs set ACCELERATE_USE_CPU=true "
             "(or `accelerate launch --cpu --num_processes N`) so the processes train together over gloo")
+    if accelerator.gradient_accumulation_steps != cfg.train.grad_accum:
+        # A launch config (DeepSpeed's gradient_accumulation_steps, ACCELERATE_GRADIENT_ACCUMULATION_STEPS) overrides
+        # the argument; the global batch would silently differ from the run config's.
+        raise ConfigError(
+            f"the accelerate launch config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} "
+            f"but train.grad_accum={cfg.train.grad_accum}; make them equal")
     set_seed(cfg.train.seed)
     if log_with:
         init_wandb(accelerator, cfg)
