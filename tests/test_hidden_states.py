@@ -34,18 +34,29 @@ def verifier_dir(tmp_path_factory):
     return save_tiny_verifier_with_tokenizer(tmp_path_factory.mktemp("cache-verifier") / "v")
 
 
-def medusa_args(verifier_dir, output_dir, *extra):
-    return ["--config", str(ROOT / "configs/medusa-tiny.yaml"), f"--verifier={verifier_dir}",
-            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=2",
-            "--data.eval_rows=1", "--train.batch_size=2", "--train.max_steps=5", "--train.save_every=0",
+@pytest.fixture(scope="module")
+def text_rows(tmp_path_factory):
+    """A small text source: ~30 training rows of 32 tokens and a few held-out ones (seconds, not minutes)."""
+    path = tmp_path_factory.mktemp("cache-data") / "rows.jsonl"
+    lines = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # number {i}\n" * 3} for i in range(14)]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def medusa_args(inputs, output_dir, *extra):
+    verifier_dir, source = inputs  # (verifier folder, data source)
+    return ["--config", str(ROOT / "configs/medusa-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
+            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
+            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=5", "--train.save_every=0",
             "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1",
             "--medusa.num_heads=2", "--medusa.tree_budget=4", "--medusa.loss=distill", *extra]
 
 
-def eagle3_args(verifier_dir, output_dir, *extra):
-    return ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), f"--verifier={verifier_dir}",
-            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=2",
-            "--data.eval_rows=1", "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=0",
+def eagle3_args(inputs, output_dir, *extra):
+    verifier_dir, source = inputs  # (verifier folder, data source)
+    return ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
+            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
+            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=0",
             "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1",
             "--train.mixed_precision=no", "--eagle.ttt_steps=2", "--eagle.draft_vocab_size=200",
             "--eagle.layer_ids=null", *extra]
@@ -81,37 +92,37 @@ def assert_same_losses(online: list[dict], offline: list[dict]):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
 
 
-def test_medusa_offline_training_equals_online(verifier_dir, tmp_path):
+def test_medusa_offline_training_equals_online(verifier_dir, text_rows, tmp_path):
     from train.medusa import main
 
-    main(medusa_cfg(*medusa_args(verifier_dir, tmp_path / "online")))
+    main(medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "online")))
     cache = tmp_path / "cache"
-    result = dump(medusa_cfg(*medusa_args(verifier_dir, tmp_path / "unused")), cache, dtype="float32",
+    result = dump(medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "unused")), cache, dtype="float32",
                   rows_per_shard=3, say=quiet)
     assert result.written and not result.skipped
     index = read_index(cache)
     assert index["method"] == "medusa" and index["layer_ids"] == [] and index["dtype"] == "float32"
-    main(medusa_cfg(*medusa_args(verifier_dir, tmp_path / "offline", "--features=offline",
+    main(medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "offline", "--features=offline",
                                  f"--feature_cache={cache}")))
     assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
 
 
-def test_eagle3_offline_training_equals_online(verifier_dir, tmp_path):
+def test_eagle3_offline_training_equals_online(verifier_dir, text_rows, tmp_path):
     from train.eagle import main
 
-    main(eagle_cfg(*eagle3_args(verifier_dir, tmp_path / "online")))
+    main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "online")))
     cache = tmp_path / "cache"
-    dump(eagle_cfg(*eagle3_args(verifier_dir, tmp_path / "unused")), cache, dtype="float32", rows_per_shard=4,
+    dump(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "unused")), cache, dtype="float32", rows_per_shard=4,
          say=quiet)
     index = read_index(cache)
     assert index["method"] == "eagle3" and index["layer_ids"] == [2, 2, 1]  # 4-layer verifier: 2, L//2, L-3
-    main(eagle_cfg(*eagle3_args(verifier_dir, tmp_path / "offline", "--features=offline",
+    main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "offline", "--features=offline",
                                 f"--feature_cache={cache}")))
     assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
 
 
-def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, tmp_path):
-    cfg = eagle_cfg(*eagle3_args(verifier_dir, tmp_path / "run"))
+def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_path):
+    cfg = eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "run"))
     result = dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet)
     index = read_index(tmp_path / "cache")
     assert index["dtype"] == "bfloat16"
@@ -131,8 +142,8 @@ def cfg_with_cache(cfg, folder):
     return cfg
 
 
-def test_restart_skips_finished_shards_and_redoes_a_half_written_one(verifier_dir, tmp_path):
-    cfg = medusa_cfg(*medusa_args(verifier_dir, tmp_path / "run"))
+def test_restart_skips_finished_shards_and_redoes_a_half_written_one(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
     cache = tmp_path / "cache"
     first = dump(cfg, cache, rows_per_shard=2, say=quiet)
     shards = sorted(first.written)
@@ -152,15 +163,15 @@ def test_restart_skips_finished_shards_and_redoes_a_half_written_one(verifier_di
     verify_shards(cache, read_index(cache), check_hash=True)  # the redone shard is whole again
 
 
-def test_restart_with_other_settings_is_refused(verifier_dir, tmp_path):
-    cfg = medusa_cfg(*medusa_args(verifier_dir, tmp_path / "run"))
+def test_restart_with_other_settings_is_refused(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
     dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet)
     with pytest.raises(CacheError, match=r"plan\.json.*dtype='bfloat16'.*dtype='float16'"):
         dump(cfg, tmp_path / "cache", dtype="float16", rows_per_shard=4, say=quiet)
 
 
-def test_corrupted_shards_are_named(verifier_dir, tmp_path):
-    cfg = medusa_cfg(*medusa_args(verifier_dir, tmp_path / "run"))
+def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
     cache = tmp_path / "cache"
     dump(cfg, cache, rows_per_shard=4, say=quiet)
     offline = cfg_with_cache(cfg, cache)
@@ -186,8 +197,8 @@ def test_corrupted_shards_are_named(verifier_dir, tmp_path):
         cached_datasets(offline)
 
 
-def test_wrong_verifier_wrong_data_and_missing_layers_are_refused(verifier_dir, tmp_path):
-    cfg = medusa_cfg(*medusa_args(verifier_dir, tmp_path / "run"))
+def test_wrong_verifier_wrong_data_and_missing_layers_are_refused(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
     cache = tmp_path / "cache"
     dump(cfg, cache, rows_per_shard=4, say=quiet)
     other = Verifier.from_pretrained(save_tiny_verifier_with_tokenizer(tmp_path / "other", seed=1))
@@ -203,8 +214,8 @@ def test_wrong_verifier_wrong_data_and_missing_layers_are_refused(verifier_dir, 
         read_index(tmp_path / "nowhere")
 
 
-def test_cli_dump_and_verify(verifier_dir, tmp_path, capsys):
-    args = medusa_args(verifier_dir, tmp_path / "run")
+def test_cli_dump_and_verify(verifier_dir, text_rows, tmp_path, capsys):
+    args = medusa_args((verifier_dir, text_rows), tmp_path / "run")
     assert cli(["dump", *args, "--out", str(tmp_path / "cache"), "--rows_per_shard=4"]) == 0
     out = capsys.readouterr().out
     assert "estimated" in out and "on disk" in out
