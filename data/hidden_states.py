@@ -163,7 +163,9 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
                          "use the trainer config of that method")
     if method == "medusa" and cfg.medusa.joint:
         raise CacheError("medusa.joint=true (Medusa-2) trains through the verifier itself; there is nothing to cache")
-    state = PartialState()
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator reads `launch --cpu`
     main = state.is_main_process
     say = say if main else (lambda *a, **k: None)
     folder = Path(out)

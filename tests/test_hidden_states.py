@@ -135,6 +135,8 @@ def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_p
     feats = verifier.features(row["input_ids"][None].long(), row["attention_mask"][None].long(), layer_ids=[2, 1])
     torch.testing.assert_close(row["final"].float(), feats.final[0], rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(row["layers"][2].float(), feats.layers[1][0], rtol=1e-2, atol=1e-2)
+    loader = torch.utils.data.DataLoader(train, batch_size=2, num_workers=1)  # workers reopen the shards
+    assert torch.equal(next(iter(loader))["final"][0], row["final"])
 
 
 def cfg_with_cache(cfg, folder):
@@ -222,3 +224,32 @@ def test_cli_dump_and_verify(verifier_dir, text_rows, tmp_path, capsys):
     assert cli(["verify", str(tmp_path / "cache")]) == 0
     assert cli(["dump", *args, "--method", "eagle3", "--out", str(tmp_path / "c2")]) == 2  # an EAGLE config needed
     assert "medusa" in capsys.readouterr().err  # the EAGLE config class has no medusa section
+
+
+@pytest.mark.slow
+def test_two_processes_split_the_shards(verifier_dir, text_rows, tmp_path):
+    """torchrun with two CPU processes: shard i by process i % 2, one index, the same bytes as one process."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["dump", *eagle3_args((verifier_dir, text_rows), tmp_path / "run"), "--rows_per_shard=4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "ACCELERATE_USE_CPU": "true",
+           "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run([str(torchrun), "--nproc_per_node=2", "-m", "data.hidden_states", *args,
+                             "--out", str(tmp_path / "two")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("estimated") == 1  # the main process speaks
+    assert cli([*args, "--out", str(tmp_path / "one")]) == 0
+    two, one = read_index(tmp_path / "two"), read_index(tmp_path / "one")
+    from safetensors.torch import load_file
+
+    strip = lambda index: {s: [(m["file"], m["rows"], m["bytes"]) for m in index["splits"][s]["shards"]]  # noqa
+                           for s in index["splits"]}
+    assert strip(two) == strip(one)  # (the sha256 differ: safetensors writes the metadata dict in any order)
+    for split in two["splits"].values():
+        for meta in split["shards"]:
+            a, b = load_file(tmp_path / "two" / meta["file"]), load_file(tmp_path / "one" / meta["file"])
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
