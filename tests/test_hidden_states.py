@@ -121,6 +121,24 @@ def test_eagle3_offline_training_equals_online(verifier_dir, text_rows, tmp_path
     assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
 
 
+def test_eagle1_trains_offline_from_an_eagle3_cache(verifier_dir, text_rows, tmp_path):
+    """A cache with more than a run needs serves it: EAGLE-1 reads `final` of an EAGLE-3 cache (noise included)."""
+    from train.eagle import main
+
+    inputs = (verifier_dir, text_rows)
+
+    def eagle1(output_dir, *extra):
+        return [a.replace("eagle3-tiny", "eagle1-tiny") for a in eagle3_args(inputs, output_dir, *extra)
+                if not a.startswith(("--eagle.draft_vocab_size", "--eagle.layer_ids"))]
+
+    main(eagle_cfg(*eagle1(tmp_path / "online")))
+    cache = tmp_path / "cache"
+    dump(eagle_cfg(*eagle3_args(inputs, tmp_path / "unused")), cache, dtype="float32", rows_per_shard=8, say=quiet)
+    main(eagle_cfg(*eagle1(tmp_path / "offline", "--features=offline", f"--feature_cache={cache}")))
+    assert "train/feature_loss" in losses(tmp_path / "offline")[0]  # EAGLE-1's loss parts
+    assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
+
+
 def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_path):
     cfg = eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "run"))
     result = dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet)
