@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
@@ -117,9 +118,7 @@ def layers_for(method: str, cfg, verifier) -> list[int]:
 
 def data_signature(cfg) -> dict:
     """What decides the rows: the data settings that build them and the seed that orders them."""
-    from train.config import config_dict
-
-    data = config_dict(cfg.data)
+    data = dataclasses.asdict(cfg.data)
     return {**{k: data[k] for k in DATA_KEYS}, "seed": cfg.train.seed}
 
 
