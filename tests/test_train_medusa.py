@@ -168,8 +168,8 @@ def test_unknown_config_key_is_named(tmp_path):
     bad.write_text("medusa:\n  num_heads: 3\n  heads_typo: 2\n")
     with pytest.raises(ConfigError, match="heads_typo"):
         parse_config(MedusaRunConfig, ["--config", str(bad)])
-    with pytest.raises(ConfigError, match="features=offline"):
-        parse_config(MedusaRunConfig, ["--features=offline", "--feature_cache=/tmp/x"])
+    with pytest.raises(ConfigError, match="features=offline with medusa.joint=true"):
+        parse_config(MedusaRunConfig, ["--features=offline", "--feature_cache=/tmp/x", "--medusa.joint=true"])
 
 
 @pytest.mark.parametrize("name", ["medusa-tiny.yaml", "medusa2-tiny.yaml", "llama3-8b-medusa.yaml"])

@@ -36,9 +36,11 @@ def test_online_features_keep_only_what_was_asked(llama_dir):
     assert int(batch_tokens({"attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])})) == 3
 
 
-def test_offline_features_are_refused_clearly(llama_dir, tmp_path):
+def test_offline_features_without_a_cache_are_refused_clearly(llama_dir, tmp_path):
+    from data.hidden_states import CacheError
+
     cfg = RunConfig(features="offline", feature_cache=str(tmp_path))
-    with pytest.raises(ConfigError, match="features=offline"):
+    with pytest.raises(CacheError, match=r"index\.json: no such file.*data\.hidden_states dump"):
         feature_source(cfg, Verifier.from_pretrained(llama_dir))
 
 

@@ -33,7 +33,7 @@ import torch
 
 from data.progress import quiet
 from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens, export_eagle
-from train.config import ConfigError, RunConfig, main_guard
+from train.config import RunConfig, main_guard
 from train.features import batch_tokens, feature_source
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
                         load_verifier, log_table)
@@ -53,12 +53,6 @@ class EagleRunConfig(RunConfig):
     """Layout of the exported drafter: vLLM's (layers.0.*, our layer ids) or SGLang's (midlayer.*, ids - 1)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the exported weights (training keeps fp32 master weights either way)."""
-
-    def __post_init__(self):
-        super().__post_init__()
-        if self.features == "offline":  # fail before loading a verifier and tokenising the data
-            raise ConfigError("features=offline: the EAGLE trainer reads the hidden-state cache once it exists "
-                              "(the Scale issue); use features=online for now")
 
 
 def draft_vocab_counts(dataset, vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:

@@ -7,7 +7,8 @@
 `features: online` (the default) runs the frozen verifier inside the step, under no-grad, keeping only what the
 drafter asked for: the final post-norm hidden state always, the inputs of `layer_ids` (forward hooks, never all of
 `output_hidden_states`), and the logits only with `return_logits`. `features: offline` reads the same tensors from
-the hidden-state cache (the Scale issue): the trainer code does not change, only which source this returns.
+the hidden-state cache (`python -m data.hidden_states dump`, with `feature_cache: DIR`): the batches then come from
+the cache's loader and carry the features; the trainer code does not change, only which source this returns.
 """
 
 from __future__ import annotations
@@ -35,14 +36,39 @@ def online_features(verifier, layer_ids: list[int] | tuple[int, ...] = (), retur
     return features
 
 
+def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = (), return_logits: bool = False
+                     ) -> FeatureSource:
+    """A source that reads each batch's features from the hidden-state cache (`data.hidden_states`): batches come
+    from its loader (`train.loop.get_dataloaders` with features=offline) with `final` (B, T, H) and `layers`
+    (B, L, T, H) attached. The verifier is never run: only its lm_head, for the logits, which are lm_head(final)."""
+    from data.hidden_states import check_verifier, read_index
+
+    index = read_index(folder)
+    check_verifier(index, verifier, folder)
+    missing = [i for i in layer_ids if i not in index["layer_ids"]]
+    if missing:
+        raise ConfigError(f"feature_cache={str(folder)!r} holds layers {index['layer_ids']} ({index['method']} "
+                          f"cache); this run needs layers {list(layer_ids)}: dump the cache with this run's config")
+    positions = [index["layer_ids"].index(i) for i in layer_ids]
+
+    def features(batch: dict) -> VerifierFeatures:
+        final = batch["final"].to(verifier.dtype)  # (B, T, H)
+        layers = [batch["layers"][:, p].to(verifier.dtype) for p in positions]  # (B, T, H) each
+        logits = None
+        if return_logits:
+            with torch.no_grad():
+                logits = verifier.lm_head(final)  # (B, T, V), as the online forward computes them
+        return VerifierFeatures(final=final, layers=layers, logits=logits)
+
+    return features
+
+
 def feature_source(cfg: RunConfig, verifier, layer_ids: list[int] | tuple[int, ...] = (),
                    return_logits: bool = False) -> FeatureSource:
     """The feature source a run config asks for (`features: online | offline`)."""
     if cfg.features == "online":
         return online_features(verifier, layer_ids, return_logits)
-    raise ConfigError(
-        f"features=offline (feature_cache={cfg.feature_cache!r}): the offline hidden-state cache is not available "
-        "in this version; use features=online")
+    return offline_features(verifier, cfg.feature_cache, layer_ids, return_logits)
 
 
 def batch_tokens(batch: dict) -> torch.Tensor:

@@ -38,6 +38,7 @@ from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from
                            expected_accepted_length, medusa2_losses, medusa_head_losses, save_medusa)
 from models.verifier import Verifier, VerifierFeatures
 from train.config import ConfigError, RunConfig, main_guard
+from train.features import FeatureSource, feature_source, online_features
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
                         log_table)
 
@@ -51,9 +52,9 @@ class MedusaRunConfig(RunConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.features == "offline":
-            raise ConfigError("features=offline: Medusa reads the hidden-state cache once it exists (issue 8); "
-                              "use features=online for now")
+        if self.features == "offline" and self.medusa.joint:
+            raise ConfigError("features=offline with medusa.joint=true: Medusa-2 trains through the verifier itself, "
+                              "so it cannot read cached features; use features=online")
 
 
 # ---- what accelerator.prepare wraps: the trainable part, with the loss in forward (DDP syncs through forward) ----
@@ -111,16 +112,17 @@ class JointObjective(nn.Module):
         return loss, parts, head
 
 
-def batch_features(verifier: Verifier, batch: dict, cfg: MedusaRunConfig) -> VerifierFeatures | None:
+def batch_features(features: Verifier | FeatureSource, batch: dict, cfg: MedusaRunConfig) -> VerifierFeatures | None:
     """What the heads read for one batch: the frozen verifier's final hidden state (and logits for `distill`).
 
-    The seam for the offline hidden-state cache (issue 8): a cached batch carries these tensors already.
-    Medusa-2 returns None: its objective runs the adapted verifier itself.
+    `features` is the run's source (`train.features.feature_source`: online, or the offline cache) or a verifier
+    (run online). Medusa-2 returns None: its objective runs the adapted verifier itself.
     """
     if cfg.medusa.joint:
         return None
-    return verifier.features(batch["input_ids"], batch["attention_mask"],
-                             return_logits=cfg.medusa.loss == "distill")  # no-grad inside
+    if isinstance(features, Verifier):
+        features = online_features(features, return_logits=cfg.medusa.loss == "distill")
+    return features(batch)  # no-grad inside
 
 
 # ---- held-out evaluation ---------------------------------------------------------------------------------------
@@ -145,7 +147,7 @@ class HeldOut:
 
 
 @torch.no_grad()
-def evaluate(accelerator, model, verifier, eval_dl, cfg: MedusaRunConfig, max_batches: int = 0,
+def evaluate(accelerator, model, features, eval_dl, cfg: MedusaRunConfig, max_batches: int = 0,
              max_rank: int = 5) -> HeldOut | None:
     """Run the held-out batches (all of them when max_batches is 0); None when there are none."""
     model.eval()
@@ -158,7 +160,7 @@ def evaluate(accelerator, model, verifier, eval_dl, cfg: MedusaRunConfig, max_ba
     for batch in eval_dl:
         if max_batches and batches >= max_batches:
             break
-        _, parts, head = model(batch_features(verifier, batch, cfg), batch, max_rank=max_rank)
+        _, parts, head = model(batch_features(features, batch, cfg), batch, max_rank=max_rank)
         loss_sum += head.per_head * head.counts  # per_head is a mean over this batch's positions
         counts += head.counts
         hits += head.hits
@@ -217,9 +219,11 @@ def main(cfg: MedusaRunConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler)
     trainable = [p for p in model.parameters() if p.requires_grad]
     max_rank = max(5, cfg.medusa.tree_max_rank)
+    features = verifier if cfg.medusa.joint else feature_source(cfg, verifier,
+                                                                return_logits=cfg.medusa.loss == "distill")
 
     def periodic_eval() -> dict[str, float]:
-        result = evaluate(accelerator, model, verifier, eval_dl, cfg, cfg.train.eval_batches)
+        result = evaluate(accelerator, model, features, eval_dl, cfg, cfg.train.eval_batches)
         if result is None:
             return {}
         log_head_table(accelerator, result, loop.state.step)
@@ -231,7 +235,7 @@ def main(cfg: MedusaRunConfig) -> dict:
     model.train()  # Medusa-2: LoRA dropout on; the frozen verifier of Medusa-1 stays in eval mode
     for batch in loop.batches():
         with accelerator.accumulate(model):
-            feats = batch_features(verifier, batch, cfg)  # (B, T, H) under no-grad: online features
+            feats = batch_features(features, batch, cfg)  # (B, T, H) under no-grad: online or cached
             loss, parts, head = model(feats, batch)
             accelerator.backward(loss)
             metrics = {**parts, **{f"head{k}_loss": head.per_head[k] for k in range(cfg.medusa.num_heads)},
@@ -241,7 +245,7 @@ def main(cfg: MedusaRunConfig) -> dict:
     loop.finish()
 
     # Final held-out pass over all of it: per-head accuracy, the rank accuracies the tree is built from.
-    result = evaluate(accelerator, model, verifier, eval_dl, cfg, max_batches=0, max_rank=max_rank)
+    result = evaluate(accelerator, model, features, eval_dl, cfg, max_batches=0, max_rank=max_rank)
     summary = {"steps": loop.state.step, "tokens": loop.state.step * cfg.train.grad_accum * cfg.train.batch_size
                * cfg.data.seq_len * accelerator.num_processes, "joint": cfg.medusa.joint, "loss": cfg.medusa.loss,
                "final_train": {k.removeprefix("train/"): v for k, v in _last_train_log(loop).items()}}
