@@ -11,6 +11,11 @@ verifier forward over the batches and the full training step (verifier features 
 backward, clipping, optimizer step) over the same batches, alternating which goes first. Reported: the median
 ratio of the rounds and its spread (min, max), with both tokens/s; JSON to --out.
 
+On a shared CPU pass `--threads 1`: with other processes running, two OpenMP threads spin against them and both
+sides slow down by up to ~9x, unevenly, so the ratio says more about the machine's load than about training.
+The EAGLE ratios are bounded by FLOPs: a drafter layer trained forward and backward for each of `eagle.ttt_steps`
+steps is a large share of an 8-layer verifier (tiny-code), a small one of a 32-layer Llama-3-8B.
+
 "Verifier forward-only" is the verifier's whole forward with its lm_head (what plain decoding pays per token),
 under inference mode. Any option the method's trainer takes (`--verifier`, `--train.batch_size`,
 `--data.seq_len`, `--train.mixed_precision`, `--medusa.num_heads`, ...) is passed through to its config.
