@@ -11,13 +11,22 @@ verifier forward over the batches and the full training step (verifier features 
 backward, clipping, optimizer step) over the same batches, alternating which goes first. Reported: the median
 ratio of the rounds and its spread (min, max), with both tokens/s; JSON to --out.
 
+On a shared CPU pass `--threads 1`: with other processes running, two OpenMP threads spin against them and both
+sides slow down by up to ~9x, unevenly, so the ratio says more about the machine's load than about training.
+The EAGLE ratios are bounded by FLOPs: a drafter layer trained forward and backward for each of `eagle.ttt_steps`
+steps is a large share of an 8-layer verifier (tiny-code), a small one of a 32-layer Llama-3-8B.
+
 "Verifier forward-only" is the verifier's whole forward with its lm_head (what plain decoding pays per token),
 under inference mode. Any option the method's trainer takes (`--verifier`, `--train.batch_size`,
 `--data.seq_len`, `--train.mixed_precision`, `--medusa.num_heads`, ...) is passed through to its config.
 
-Adding a method: write `def <name>_step(cfg, verifier) -> Callable[[batch], None]` building that trainer's
-trainable part and optimizer from its own code, and register it in METHODS with its config class and default
-config file; the measurement below is shared.
+    python scripts/bench_train.py --method eagle1                        # configs/eagle1-tiny.yaml (goal >= 0.7)
+    python scripts/bench_train.py --method eagle3                        # configs/eagle3-tiny.yaml, 7 TTT steps
+                                                                         # (goal >= 0.5)
+
+Adding a method: write `def <name>_step(cfg, verifier, batches) -> Callable[[batch], None]` building that
+trainer's trainable part and optimizer from its own code, and register it in METHODS with its config class,
+default config file and goal; the measurement below is shared.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ Step = Callable[[dict], None]
 
 
 # ---- per-method training steps (each from its trainer's own pieces) -------------------------------------------
-def medusa_step(cfg, verifier) -> Step:
+def medusa_step(cfg, verifier, batches: list[dict]) -> Step:
     """One Medusa optimizer step: train/medusa.py's features, objective, clipping and AdamW (Medusa-1 or -2)."""
     from models.medusa import MedusaHeads, MedusaJoint, add_lora_from_config
     from train.loop import build_optimizer
@@ -73,6 +82,54 @@ def medusa_step(cfg, verifier) -> Step:
     return step
 
 
+def eagle_step(version: int) -> Callable:
+    """The builder of one EAGLE-`version` optimizer step: train/eagle.py's online features (frozen verifier under
+    no-grad, only the layers the drafter reads), the drafter's loss (EAGLE-3: `eagle.ttt_steps` unrolled steps),
+    backward, clipping and AdamW. EAGLE-3's draft vocabulary is counted on the benchmark's batches (the trainer
+    counts the whole training set; which tokens are kept does not change the cost)."""
+
+    def build(cfg, verifier, batches: list[dict]) -> Step:
+        from models.eagle import EagleTrainModule, build_drafter, count_tokens
+        from train.features import feature_source
+        from train.loop import build_optimizer
+
+        counts = None
+        if version == 3:
+            counts = sum(count_tokens(b["input_ids"].cpu(), b["loss_mask"].cpu(), verifier.vocab_size)
+                         for b in batches)
+        model = EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts=counts)).train()
+        optimizer = build_optimizer(model, cfg)
+        features = feature_source(cfg, verifier, layer_ids=model.drafter.feature_layers)
+        params = [p for p in model.parameters() if p.requires_grad]
+
+        def step(batch: dict) -> None:
+            feats = features(batch)  # outside autocast, as in the trainer
+            with autocast(cfg, verifier.device):
+                out = model(batch["input_ids"], feats, batch["loss_mask"])
+            out.loss.backward()
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return step
+
+    return build
+
+
+def eagle_version(version: int) -> Callable:
+    """A config check: `--method eagle{version}` trains what its name says."""
+
+    def check(cfg) -> None:
+        from train.config import ConfigError
+
+        if cfg.eagle.version != version:
+            raise ConfigError(f"--method eagle{version} with eagle.version={cfg.eagle.version}: use "
+                              f"--method eagle{cfg.eagle.version}")
+
+    return check
+
+
 @dataclass(frozen=True)
 class Method:
     config_class: str
@@ -80,11 +137,19 @@ class Method:
     default_config: str
     """YAML (relative to the repository root) the benchmark starts from."""
     build_step: Callable
-    """(cfg, verifier) -> step(batch)."""
+    """(cfg, verifier, the benchmark's batches) -> step(batch)."""
+    goal: float | None = None
+    """The ratio this method should reach (printed next to the measurement)."""
+    check_config: Callable | None = None
+    """(cfg) -> None, raising ConfigError before anything loads."""
 
 
 METHODS: dict[str, Method] = {
     "medusa": Method("train.medusa:MedusaRunConfig", "configs/medusa-tiny.yaml", medusa_step),
+    "eagle1": Method("train.eagle:EagleRunConfig", "configs/eagle1-tiny.yaml", eagle_step(1), goal=0.7,
+                     check_config=eagle_version(1)),
+    "eagle3": Method("train.eagle:EagleRunConfig", "configs/eagle3-tiny.yaml", eagle_step(3), goal=0.5,
+                     check_config=eagle_version(3)),
 }
 
 
@@ -166,15 +231,17 @@ def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches
     has_config = any(a == "--config" or a.startswith("--config=") for a in argv)
     config_argv = ([] if has_config else ["--config", str(ROOT / spec.default_config)]) + list(argv)
     cfg = parse_config(config_class, config_argv)
+    if spec.check_config is not None:
+        spec.check_config(cfg)
     torch.manual_seed(cfg.train.seed)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     verifier, tokenizer = load_verifier(cfg, device)
     data = load_batches(cfg, tokenizer, batches, device)
-    step = spec.build_step(cfg, verifier)
+    step = spec.build_step(cfg, verifier, data)
     load_before = os.getloadavg()
     result = measure(step, verifier, data, repeats, warmup)
     report = {
-        "method": method, "verifier": cfg.verifier, "device": str(device), "threads": torch.get_num_threads(),
+        "method": method, "goal": spec.goal, "verifier": cfg.verifier, "device": str(device), "threads": torch.get_num_threads(),
         "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "batches": len(data),
         "mixed_precision": cfg.train.mixed_precision, "verifier_dtype": cfg.verifier_dtype,
         "repeats": repeats, "warmup": warmup, "argv": config_argv,
@@ -206,8 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
           f"B={report['batch_size']} T={report['seq_len']}, {report['batches']} batches x {report['repeats']} rounds)")
     print(f"[bench] verifier forward {report['forward_tokens_per_s_median']:,.0f} tok/s, train "
           f"{report['train_tokens_per_s_median']:,.0f} tok/s")
+    goal = METHODS[args.method].goal
+    verdict = "" if goal is None else (f"; goal >= {goal}: " + ("met" if report["ratio_median"] >= goal else "MISSED"))
     print(f"[bench] train / forward = {report['ratio_median']:.3f} (min {report['ratio_min']:.3f}, "
-          f"max {report['ratio_max']:.3f})" + (f"; JSON: {args.out}" if args.out else ""))
+          f"max {report['ratio_max']:.3f}){verdict}" + (f"; JSON: {args.out}" if args.out else ""))
     return report
 
 

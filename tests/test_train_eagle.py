@@ -115,6 +115,36 @@ def test_tiny_config_trains_checkpoints_and_exports(tmp_path, verifier_dirs, ver
         assert 0 < summary["draft_vocab_coverage"] <= 1
     else:
         assert "fc.bias" not in drafter.state_dict()  # the tiny config trains EAGLE-1 without an fc bias
+    # the end-of-run train/serve check: the reloaded export's tau on held-out prompts, equal to the in-memory one
+    assert logged[-1]["step"] == 4 and logged[-1]["eval/tau"] == logged[-1]["eval/tau_in_memory"] >= 1.0
+    assert summary["consistency"]["tau"] == logged[-1]["eval/tau"] and summary["consistency"]["new_tokens"] > 0
+
+
+def reverse_fc_blocks(folder, hidden_size):
+    """Tamper with an export: the feature blocks of fc in reverse order (EAGLE-1: [f; e] for [e; f])."""
+    from safetensors.torch import save_file
+
+    tensors = load_file(Path(folder) / "model.safetensors")
+    tensors["fc.weight"] = torch.cat(tensors["fc.weight"].split(hidden_size, dim=1)[::-1], 1).contiguous()
+    save_file(tensors, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_broken_export_fails_the_run(tmp_path, verifier_dirs, monkeypatch, version):
+    import train.eagle
+    from eval.consistency import ConsistencyError
+
+    def export_then_break(drafter, folder, verifier, **kwargs):
+        written = export_eagle(drafter, folder, verifier, **kwargs)
+        reverse_fc_blocks(written, verifier.hidden_size)
+        return written
+
+    export_eagle = train.eagle.export_eagle
+    monkeypatch.setattr(train.eagle, "export_eagle", export_then_break)
+    with pytest.raises(ConsistencyError, match=r"train/serve check failed: .*the exported eagle drafter, reloaded, "
+                                               r"reaches tau .*first differs at verifier call"):
+        run(*tiny_args(verifier_dirs["llama"], tmp_path, version))
+    assert not any("eval/tau" in r for r in records(tmp_path))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -240,3 +270,37 @@ def test_two_processes(tmp_path, verifier_dirs):
                                                                                   "random_states_1.pkl"}
     assert load_eagle(out / "drafter", Verifier.from_pretrained(verifier_dirs["llama"])).draft_vocab_size == 200
     assert [r["step"] for r in records(out) if "eval/acc_0" in r] == [2]
+    assert [r["step"] for r in records(out) if "eval/tau" in r] == [2]  # checked once, by the main process
+
+
+BROKEN_EXPORT_LAUNCHER = """
+import sys
+import train.eagle
+from tests.test_train_eagle import reverse_fc_blocks
+from train.config import main_guard
+
+export_eagle = train.eagle.export_eagle
+
+def export_then_break(drafter, folder, verifier, **kwargs):
+    written = export_eagle(drafter, folder, verifier, **kwargs)
+    reverse_fc_blocks(written, verifier.hidden_size)
+    return written
+
+train.eagle.export_eagle = export_then_break
+main_guard(train.eagle.main, train.eagle.EagleRunConfig)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_broken_export_exits_nonzero(tmp_path, verifier_dirs):
+    """A broken export fails both processes (the other one does not wait forever) with a message saying why."""
+    script = tmp_path / "broken_export.py"
+    script.write_text(BROKEN_EXPORT_LAUNCHER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline",
+           "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--nproc_per_node=2", str(script),
+               *tiny_args(verifier_dirs["llama"], tmp_path / "ddp", 3, "--train.max_steps=2")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "train/serve check failed" in result.stderr and "on the main process" in result.stderr

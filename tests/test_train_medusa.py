@@ -85,6 +85,32 @@ def test_trains_and_writes_run_folder_and_drafter(verifier_dir, tmp_path):
     assert summary["tree_expected_accepted_length"] > 0
     # the export is the trained heads: they moved away from the verifier's own head
     assert not torch.equal(heads.lm_heads[0].weight, verifier.lm_head.weight)
+    # the end-of-run train/serve check: the reloaded export's tau, logged last, equal to the in-memory heads'
+    assert logged[-1]["step"] == 6 and logged[-1]["eval/tau"] == logged[-1]["eval/tau_in_memory"] >= 1.0
+    assert summary["consistency"]["tau"] == logged[-1]["eval/tau"] and summary["consistency"]["prompts"] == 4
+
+
+def test_broken_export_fails_the_run(verifier_dir, tmp_path, monkeypatch):
+    """An export that drops head 0's weights (written negated) decodes differently: the run raises, naming it."""
+    import train.medusa
+    from eval.consistency import ConsistencyError
+    from safetensors.torch import save_file
+
+    def save_then_break(folder, *args, **kwargs):
+        save_medusa(folder, *args, **kwargs)
+        tensors = load_file(Path(folder) / "model.safetensors")
+        tensors["lm_heads.0.weight"] = -tensors["lm_heads.0.weight"]
+        save_file(tensors, Path(folder) / "model.safetensors", metadata={"format": "pt"})
+
+    save_medusa = train.medusa.save_medusa
+    monkeypatch.setattr(train.medusa, "save_medusa", save_then_break)
+    with pytest.raises(ConsistencyError, match=r"train/serve check failed: .*drafter: the exported medusa drafter, "
+                                               r"reloaded, reaches tau .*first differs at verifier call"):
+        run(verifier_dir, tmp_path)
+    assert not any("eval/tau" in r for r in records(tmp_path))
+    # the check can be switched off (then nothing is measured or logged)
+    run(verifier_dir, tmp_path / "unchecked", "--consistency.enabled=false")
+    assert not any("eval/tau" in r for r in records(tmp_path / "unchecked"))
 
 
 class Interrupted(Exception):

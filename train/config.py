@@ -98,6 +98,32 @@ class WandbConfig:
 
 
 @dataclass
+class ConsistencyConfig:
+    """The end-of-run train/serve check: the exported drafter, reloaded from disk, decodes held-out prompts through
+    our engine (eval/consistency.py) and must accept exactly what the in-memory drafter accepts."""
+
+    enabled: bool = True
+    """Run the check after the export; its tau is logged as eval/tau (and eval/tau_in_memory)."""
+    num_prompts: int = 4
+    """Held-out prompts: the first rows of the run's held-out data (stdlib: the `eval` split's files)."""
+    prompt_tokens: int = 64
+    """Tokens of each held-out row used as the prompt."""
+    max_new_tokens: int = 32
+    """Tokens generated greedily per prompt, by each of the two drafters."""
+    tolerance: float = 0.0
+    """Largest allowed |tau(export) - tau(in memory)|; 0 also requires every verifier call to accept the same."""
+
+    def __post_init__(self):
+        for key in ("num_prompts", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"consistency.{key}={getattr(self, key)}: expected a positive integer")
+        if self.prompt_tokens < 2:
+            raise ConfigError(f"consistency.prompt_tokens={self.prompt_tokens}: expected at least 2")
+        if self.tolerance < 0:
+            raise ConfigError(f"consistency.tolerance={self.tolerance}: expected >= 0")
+
+
+@dataclass
 class RunConfig:
     """What every training run has; each trainer adds its method's section."""
 
@@ -119,6 +145,8 @@ class RunConfig:
     """Training and held-out data."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Experiment tracking."""
+    consistency: ConsistencyConfig = field(default_factory=ConsistencyConfig)
+    """End-of-run check that the exported drafter, reloaded, decodes like the trained one."""
 
     @property
     def drafter_dir(self) -> Path:

@@ -21,7 +21,10 @@ In order (the drafter, the training-time-test unroll and the losses live in mode
   5. held-out evaluation every `train.eval_every` steps and at the end: per-step accuracy against the verifier's
      greedy token, conditional and cumulative, and the simulated acceptance length, logged as eval/... (EAGLE-1
      trains one step but is scored on the `eagle.ttt_steps`-token chains it drafts from its own outputs);
-  6. the export, with a training summary in its `draftheads` metadata.
+  6. the export, with a training summary in its `draftheads` metadata;
+  7. the train/serve check (`consistency` section, train/export_check.py): the export, reloaded from disk, decodes
+     held-out prompts through our engine; its tau is logged as eval/tau, and a difference from the in-memory
+     drafter's (eval/tau_in_memory) exits non-zero.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ import torch
 
 from data.progress import quiet
 from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens, export_eagle
+from eval.consistency import ConsistencyError
 from train.config import RunConfig, main_guard
+from train.export_check import check_exported_drafter, consistency_summary
 from train.features import batch_tokens, feature_source
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
                         load_verifier, log_table)
@@ -160,6 +165,15 @@ def main(cfg: EagleRunConfig) -> dict:
         drafter = accelerator.unwrap_model(model).drafter.to(DTYPES[cfg.export_dtype])  # training is over
         folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
         say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")
+    # Train/serve consistency: the export, reloaded from disk, must accept what the in-memory drafter accepts.
+    try:
+        checked = check_exported_drafter(accelerator, cfg, drafter, verifier, eval_dl.dataset, tokenizer, say=say)
+    except ConsistencyError:
+        accelerator.end_training()
+        raise
+    if checked is not None:
+        loop.log(checked.metrics())
+        summary["consistency"] = consistency_summary(checked)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary

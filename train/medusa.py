@@ -17,7 +17,9 @@ activations plus a few chunks, whatever the vocabulary.
 Held-out evaluation every `train.eval_every` steps and at the end logs eval/head{k}_loss, _top1, _top5 and a
 per-head table. At the end the per-rank accuracies of each head on the held-out data build the static tree
 (`medusa.tree_budget` nodes) and everything is exported to `{output_dir}/drafter/` (the folder vLLM's Medusa loader
-reads; Medusa-2 adds `adapter/`). The run folder also holds config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints
+reads; Medusa-2 adds `adapter/`), reloaded from there and checked: it must decode held-out prompts through our
+engine exactly as the in-memory heads do (`consistency` section; eval/tau is the export's tau, a difference
+exits non-zero, train/export_check.py). The run folder also holds config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints
 (`--train.resume=auto` continues from the newest) and wandb/ (offline unless an API key is configured).
 """
 
@@ -37,7 +39,9 @@ if __package__ in (None, ""):  # run as a file (`accelerate launch train/medusa.
 from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config, build_medusa_tree,
                            expected_accepted_length, medusa2_losses, medusa_head_losses, save_medusa)
 from models.verifier import Verifier, VerifierFeatures
+from eval.consistency import ConsistencyError
 from train.config import ConfigError, RunConfig, main_guard
+from train.export_check import check_exported_drafter, consistency_summary
 from train.features import FeatureSource, feature_source, online_features
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
                         log_table)
@@ -263,11 +267,21 @@ def main(cfg: MedusaRunConfig) -> dict:
         _print_report(accelerator, rows, verifier.vocab_size, len(tree), summary["tree_expected_accepted_length"])
     summary["wall_time_s"] = round(time.perf_counter() - started, 1)
 
+    heads = accelerator.unwrap_model(model).heads
     if accelerator.is_main_process:
-        heads = accelerator.unwrap_model(model).heads
         save_medusa(cfg.drafter_dir, heads, verifier, tree=tree, training_summary=summary,
                     rank_accuracy=rank_accuracy)
         accelerator.print(f"[medusa] drafter exported to {cfg.drafter_dir} ({summary['wall_time_s']} s)")
+    # Train/serve consistency: the export, reloaded, must draft the same tree and accept the same tokens.
+    try:
+        checked = check_exported_drafter(accelerator, cfg, heads, verifier, eval_dl.dataset, tokenizer,
+                                         say=accelerator.print, tree=tree)
+    except ConsistencyError:
+        accelerator.end_training()
+        raise
+    if checked is not None:
+        loop.log(checked.metrics())
+        summary["consistency"] = consistency_summary(checked)
     accelerator.wait_for_everyone()
     accelerator.end_training()  # flush and close wandb
     return summary
