@@ -57,7 +57,7 @@ Equivalence. With graphs off (the CPU path, and what tests run) the loop compute
 order, the kernels' torch references. Greedy output equals plain greedy decoding token for token (in float32;
 in bf16 near-ties may flip with kernel shapes, exactly as decoder.py says for its window buckets).
 
-Predicted floor (METHOD.md's two numbers; H200, bf16, batch 1, the 1B-shaped verifier of scripts/bench_gpu.py:
+Predicted floor (H200, bf16, batch 1, the 1B-shaped verifier of scripts/bench_gpu.py:
 hidden 2048, 16 layers, vocab 32000, ~0.85B parameters). Bytes: a verifier step reads ~1.6 GB -> ~0.37 ms at
 4.3 TB/s whatever N+1 <= ~64 (memory-bound); an EAGLE-1 draft pass (layer + full lm_head) ~0.24 GB -> ~0.06 ms,
 an EAGLE-3 pass with an 8k draft vocabulary ~0.14 GB -> ~0.03 ms. Launches: even replayed from a graph, each
@@ -66,15 +66,8 @@ four draft passes per step, so efficiency = speedup / tau is bounded near 0.6 (E
 batch 1 on this model, and grows with the verifier. Eager, a step costs several ms of Python and launches: that
 gap, not the math, is what this loop removes.
 
-Wiring into SpeculativeDecoder (a `fused` option; eval/decoder.py, after the drafters land):
-    __init__(self, ..., fused: bool = False):   self.fused, self._fused_loop = fused, None
-    from_pretrained(..., fused: bool = False, **method_options):   cls(verifier, drafter, method=method, fused=fused)
-    generate(...), first lines:
-        if self.fused:
-            if self._fused_loop is None:
-                from eval.cuda_loop import FusedDecoder  # here: eval.cuda_loop imports eval.decoder
-                self._fused_loop = FusedDecoder(self)
-            return self._fused_loop.generate(input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)
+Wiring: `SpeculativeDecoder(..., fused=True)` (or `from_pretrained(..., fused=True)`, `python -m eval --fused`) runs
+`generate` through this loop.
 """
 
 from __future__ import annotations
