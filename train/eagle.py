@@ -41,7 +41,7 @@ from train.config import RunConfig, main_guard
 from train.export_check import check_exported_drafter, consistency_summary
 from train.features import batch_tokens, feature_source
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
-                        load_verifier, log_table, shard_verifier, unsharded)
+                        load_verifier, log_table, unsharded)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,8 +83,8 @@ def main(cfg: EagleRunConfig) -> dict:
     accelerator = build_accelerator(cfg)
     say = (lambda message: None) if quiet() else accelerator.print
 
-    verifier, tokenizer = load_verifier(cfg, accelerator.device)
-    shard_verifier(verifier, accelerator)  # FSDP: decoder layers sharded over the processes; otherwise whole
+    # FSDP: the verifier's decoder layers sharded over the processes (train.loop.shard_verifier); otherwise whole.
+    verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
         f"{cfg.data.seq_len} tokens ({cfg.data.source})")

@@ -111,14 +111,21 @@ def log_table(accelerator, key: str, columns: list[str], rows: list[list], step:
     tracker.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
 
-def load_verifier(cfg: RunConfig, device):
-    """The frozen verifier and its tokenizer, checked against each other."""
+def load_verifier(cfg: RunConfig, device, accelerator=None):
+    """The frozen verifier and its tokenizer, checked against each other.
+
+    With `accelerator` the verifier is placed for the launch config (`shard_verifier`): under FSDP it is read on the
+    CPU and its decoder layers are sharded onto `device` one at a time, so no device ever holds all of it.
+    """
     from transformers import AutoTokenizer
 
     from models.verifier import Verifier, VerifierError
 
-    verifier = Verifier.from_pretrained(cfg.verifier, dtype=cfg.verifier_dtype, device=device,
+    shard = accelerator is not None and verifier_sharded_by(accelerator)
+    verifier = Verifier.from_pretrained(cfg.verifier, dtype=cfg.verifier_dtype, device="cpu" if shard else device,
                                         trust_remote_code=cfg.trust_remote_code)
+    if shard:
+        shard_verifier(verifier, accelerator, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -142,19 +149,27 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def shard_verifier(verifier, accelerator) -> bool:
-    """Under an FSDP launch config, shard the frozen verifier's decoder layers over the processes
-    (`fully_shard_verifier`); under any other backend leave it whole. Returns whether it sharded. The one place
-    where the verifier's placement depends on the backend."""
+def verifier_sharded_by(accelerator) -> bool:
+    """Whether the launch config shards the frozen verifier: FSDP with more than one process."""
     from accelerate.utils import DistributedType
 
-    if accelerator.distributed_type != DistributedType.FSDP or accelerator.num_processes == 1:
+    return accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1
+
+
+def shard_verifier(verifier, accelerator, device=None) -> bool:
+    """Under an FSDP launch config, shard the frozen verifier's decoder layers over the processes
+    (`fully_shard_verifier`) onto `device` (default: accelerator.device); under any other backend leave it as it
+    is. Returns whether it sharded. The one place where the verifier's placement depends on the backend."""
+    if not verifier_sharded_by(accelerator):
         return False
-    fully_shard_verifier(verifier)
+    if not accelerator.is_fsdp2:  # FSDP1 would gather the drafter on rank 0 only; the check needs it everywhere
+        raise ConfigError("the FSDP launch config sets fsdp_version: 1; draftheads needs fsdp_version: 2 "
+                          "(configs/accelerate/fsdp.yaml)")
+    fully_shard_verifier(verifier, device=torch.device(device or accelerator.device))
     return True
 
 
-def fully_shard_verifier(verifier, mesh=None) -> None:
+def fully_shard_verifier(verifier, mesh=None, device: torch.device | None = None) -> None:
     """Shard each decoder layer of a frozen verifier over the default process group with FSDP2 (`fully_shard`).
 
     A layer's weights are all-gathered just before its forward and freed after it (reshard_after_forward), so a
@@ -164,18 +179,26 @@ def fully_shard_verifier(verifier, mesh=None) -> None:
     `fully_shard` that manages no parameters (all of its own are ignored), so that the layers are not roots (FSDP2
     keeps a root's weights gathered after forward). Collective: every process calls it, with the same verifier.
     Forward hooks on the layers (`Verifier.features`' layer inputs) see the layer inputs as before.
+
+    A verifier on the CPU with `device` a GPU: each layer is moved to the device as it is sharded (one whole layer
+    there at a time), then the unsharded rest (embedding, norm, lm_head, buffers) follows.
     """
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
-    import torch.distributed as dist
-
+    device = torch.device(device) if device is not None else verifier.device
     if mesh is None:
-        mesh = init_device_mesh(verifier.device.type, (dist.get_world_size(),))
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for layer in verifier.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     whole = {p for name, p in verifier.decoder.named_parameters() if not name.startswith("layers.")}
     fully_shard(verifier.decoder, mesh=mesh, reshard_after_forward=True, ignored_params=whole)
+    with torch.no_grad():
+        for tensor in [*verifier.model.parameters(), *verifier.model.buffers()]:
+            if not isinstance(tensor, DTensor) and tensor.device != device:
+                tensor.data = tensor.to(device)  # in place: tied embedding / lm_head stay one tensor
 
 
 def sharded_weights(accelerator) -> bool:
