@@ -41,7 +41,7 @@ from train.config import RunConfig, main_guard
 from train.export_check import check_exported_drafter, consistency_summary
 from train.features import batch_tokens, feature_source
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
-                        load_verifier, log_table)
+                        load_verifier, log_table, unsharded)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,7 +83,8 @@ def main(cfg: EagleRunConfig) -> dict:
     accelerator = build_accelerator(cfg)
     say = (lambda message: None) if quiet() else accelerator.print
 
-    verifier, tokenizer = load_verifier(cfg, accelerator.device)
+    # FSDP: the verifier's decoder layers sharded over the processes (train.loop.shard_verifier); otherwise whole.
+    verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
         f"{cfg.data.seq_len} tokens ({cfg.data.source})")
@@ -107,7 +108,6 @@ def main(cfg: EagleRunConfig) -> dict:
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     accelerator.register_for_checkpointing(scheduler)
     features = feature_source(cfg, verifier, layer_ids=drafter.feature_layers)
-    unwrapped = accelerator.unwrap_model(model).drafter
 
     # ---- held-out evaluation: counts summed over batches and processes, turned into rates once ----
     drafter_parts = ("feature_loss", "token_loss") if cfg.eagle.version == 1 else ()
@@ -117,7 +117,7 @@ def main(cfg: EagleRunConfig) -> dict:
         out = model(batch["input_ids"], feats, batch["loss_mask"])
         c = out.counts
         if cfg.eagle.version == 1:  # trained on one step; scored on the eagle.ttt_steps-token chains it drafts
-            c = unwrapped.chain_counts(batch["input_ids"], feats, batch["loss_mask"], cfg.eagle.ttt_steps)
+            c = model(batch["input_ids"], feats, batch["loss_mask"], chain_steps=cfg.eagle.ttt_steps)
         return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
                 "chain_correct": c.chain_correct, "chain_valid": c.chain_valid, **out.parts}
 
@@ -161,8 +161,10 @@ def main(cfg: EagleRunConfig) -> dict:
     summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
     if coverage is not None:
         summary["draft_vocab_coverage"] = coverage
+    # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
+    full = unsharded(accelerator, model, lambda: EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts)))
+    drafter = full.drafter.to(DTYPES[cfg.export_dtype]) if full is not None else None  # training is over
     if accelerator.is_main_process:
-        drafter = accelerator.unwrap_model(model).drafter.to(DTYPES[cfg.export_dtype])  # training is over
         folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
         say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")
     # Train/serve consistency: the export, reloaded from disk, must accept what the in-memory drafter accepts.

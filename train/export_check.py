@@ -6,7 +6,8 @@
 
 Both drafters decode the same held-out prompts greedily through our engine (`eval.consistency.check_export`); a
 difference raises `ConsistencyError` on every process, so the run exits non-zero with a message saying where the
-two parted. Only the main process decodes (it wrote the export); the others wait for its verdict.
+two parted. Only the main process decodes (it wrote the export); the others wait for its verdict. Under FSDP with a
+sharded verifier every process decodes (its forward is collective); the main process still reports.
 
 Held-out prompts: the first `consistency.num_prompts` rows of the run's held-out data (what `data.eval_rows` holds
 out: for `data.source: stdlib` the files of the `eval` split), cut to `consistency.prompt_tokens` real tokens. They
@@ -60,8 +61,15 @@ def check_exported_drafter(accelerator, cfg: RunConfig, drafter, verifier, heldo
     check = cfg.consistency
     if not check.enabled:
         return None
+    from train.loop import is_sharded
+
+    # A verifier sharded by FSDP (train.loop.shard_verifier) runs only collectively: then every process decodes the
+    # same prompts in lockstep (greedy, so identically) with its own whole copy of the drafter.
+    everywhere = is_sharded(verifier)
+    if everywhere:
+        accelerator.wait_for_everyone()  # the main process has written the export
     result, error = None, None
-    if accelerator.is_main_process:
+    if accelerator.is_main_process or everywhere:
         try:
             prompts, origin = heldout_prompts(heldout_ds, tokenizer, check.num_prompts, check.prompt_tokens)
             result = check_export(drafter, cfg.drafter_dir, verifier, prompts, max_new_tokens=check.max_new_tokens,
@@ -75,6 +83,8 @@ def check_exported_drafter(accelerator, cfg: RunConfig, drafter, verifier, heldo
         raise error
     if verdict is not None:
         raise ConsistencyError(f"train/serve check failed on the main process: {verdict}")
+    if not accelerator.is_main_process:
+        return None
     if result is not None:
         say(f"[export-check] {cfg.drafter_dir} reloaded: tau {result.tau_export:.3f} on {origin} "
             f"({result.new_tokens} tokens) = the in-memory drafter's {result.tau_in_memory:.3f}")

@@ -44,7 +44,7 @@ from train.config import ConfigError, RunConfig, main_guard
 from train.export_check import check_exported_drafter, consistency_summary
 from train.features import FeatureSource, feature_source, online_features
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
-                        log_table)
+                        log_table, sharded_weights, unsharded)
 
 
 @dataclass
@@ -202,7 +202,12 @@ def log_head_table(accelerator, result: HeldOut, step: int) -> list[list]:
 def main(cfg: MedusaRunConfig) -> dict:
     started = time.perf_counter()
     accelerator = build_accelerator(cfg)  # mixed precision, grad accumulation, wandb; writes config.yaml
-    verifier, tokenizer = load_verifier(cfg, accelerator.device)  # frozen, eval mode
+    if cfg.medusa.joint and sharded_weights(accelerator):
+        raise ConfigError("medusa.joint=true (Medusa-2) under FSDP or DeepSpeed ZeRO-3 is not supported: the LoRA "
+                          "adapters live in the verifier, which these backends would shard; use multi_gpu.yaml or "
+                          "deepspeed_zero2.yaml")
+    # Frozen, eval mode; under FSDP its decoder layers sharded over the processes (train.loop.shard_verifier).
+    verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
 
     # Heads in fp32 (the master weights; autocast runs their matmuls in bf16 under mixed precision), each a copy of
@@ -267,7 +272,10 @@ def main(cfg: MedusaRunConfig) -> dict:
         _print_report(accelerator, rows, verifier.vocab_size, len(tree), summary["tree_expected_accepted_length"])
     summary["wall_time_s"] = round(time.perf_counter() - started, 1)
 
-    heads = accelerator.unwrap_model(model).heads
+    # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
+    full = unsharded(accelerator, model, lambda: HeadsObjective(MedusaHeads.from_config(cfg.medusa, verifier),
+                                                                cfg.medusa))
+    heads = full.heads if full is not None else None
     if accelerator.is_main_process:
         save_medusa(cfg.drafter_dir, heads, verifier, tree=tree, training_summary=summary,
                     rank_accuracy=rank_accuracy)
