@@ -157,11 +157,26 @@ def test_every_family_trains(tmp_path, verifier_dirs, family):
     assert any(k.startswith("midlayer.") for k in load_file(out / "drafter" / "model.safetensors"))
 
 
-def test_wandb_offline_and_bf16_export(tmp_path, verifier_dirs):
+def test_wandb_offline_and_bf16_export(tmp_path, verifier_dirs, monkeypatch):
+    import wandb
+
+    # Every wandb log names the training step, never going back: wandb drops a log to an earlier step than its
+    # last (an unstepped table once pushed the counter ahead and the eval/* metrics after it were lost).
+    logged, log = [], wandb.sdk.wandb_run.Run.log
+
+    def recording_log(self, data, step=None, *args, **kwargs):
+        logged.append((step, set(data)))
+        return log(self, data, step, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", recording_log)
     out = tmp_path / "run"
     run(*tiny_args(verifier_dirs["llama"], out, 3, "--train.max_steps=2", "--wandb.enabled=true",
                    "--wandb.mode=offline", "--export_dtype=bfloat16", "--train.mixed_precision=bf16"))
     assert list((out / "wandb").glob("offline-run-*"))
+    steps = [step for step, _ in logged]
+    assert None not in steps and steps == sorted(steps), steps
+    keys = set().union(*(k for _, k in logged))
+    assert {"eval/acc_0", "eval/per_step", "eval/tau", "train/loss"} <= keys, keys
     tensors = load_file(out / "drafter" / "model.safetensors")
     assert tensors["fc.weight"].dtype == torch.bfloat16 and tensors["d2t"].dtype == torch.int64
 

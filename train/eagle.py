@@ -139,7 +139,7 @@ def main(cfg: EagleRunConfig) -> dict:
             values.update({f"eval/step_loss_{k}": v for k, v in enumerate((sums["step_losses"] / batches).tolist())})
         values.update({f"eval/{key}": float(sums[key] / batches) for key in drafter_parts})
         log_table(accelerator, "eval/per_step", ["step", "acc", "cond_acc", "cum_acc"],
-                  [[k, acc[k], cond[k], cum[k]] for k in range(len(acc))])
+                  [[k, acc[k], cond[k], cum[k]] for k in range(len(acc))], step=loop.state.step)
         loop.print(f"[eval] step {loop.state.step}: held-out accuracy per draft step {' '.join(f'{a:.3f}' for a in acc)} "
             f"(step 0: {acc[0]:.3f}), simulated acceptance length {values['eval/accept_length']:.3f}")
         return values
