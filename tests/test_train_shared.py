@@ -104,3 +104,19 @@ def test_resume_restores_the_random_stream_a_training_step_draws_from(tmp_path):
     with pytest.raises(Crash):
         train(tmp_path / "b", crash_at=4)  # resumes from step 3, in the second epoch's first iterator
     torch.testing.assert_close(train(tmp_path / "b"), straight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("script", ["medusa.py", "eagle.py"])
+def test_trainer_runs_as_a_file_from_a_checkout_without_installing(script, tmp_path):
+    """`accelerate launch train/X.py` runs the file as a script: it must find the project's packages itself."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, str(root / "train" / script), "--help"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--train.max_steps" in proc.stdout

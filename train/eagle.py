@@ -4,8 +4,7 @@
     accelerate launch train/eagle.py --config configs/eagle1-tiny.yaml --train.max_steps=50
     accelerate launch --multi_gpu --num_processes 8 train/eagle.py --config configs/llama3-8b-eagle3.yaml
 
-(`python train/eagle.py ...` is the same run in one process. Run from the repository root with the project
-installed, `pip install -e .`, or with PYTHONPATH=. .)
+(`python train/eagle.py ...` is the same run in one process.)
 
 The run folder (`output_dir`) gets config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (a rerun of the
 same command continues from the newest) and drafter/, the folder vLLM loads as the speculative model
@@ -29,10 +28,15 @@ In order (the drafter, the training-time-test unroll and the losses live in mode
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
+
+if __package__ in (None, ""):  # run as a file (`accelerate launch train/eagle.py`) from a checkout: find the packages
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data.progress import quiet
 from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens, export_eagle
