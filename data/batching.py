@@ -62,7 +62,7 @@ def _tokenize_batch(batch: dict[str, list], tokenizer, template: str | None, pac
         eos_loss = 0
         eos = tokenizer.eos_token_id if pack else None  # a separator only; the template already ended the turn
     else:  # the tokenizer's own special tokens (BOS for Llama-style tokenizers), every token a target
-        results = [(ids, [1] * len(ids)) for ids in tokenizer(batch["text"])["input_ids"]]
+        results = [(ids, [1] * len(ids)) for ids in tokenizer(batch["text"], verbose=False)["input_ids"]]
         eos_loss = 1
         eos = tokenizer.eos_token_id
     out: dict[str, list] = {"input_ids": [], "loss_mask": [], "origin": batch["origin"], "_kind": [], "_error": []}

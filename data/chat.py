@@ -179,7 +179,7 @@ def tokenize_chats(conversations: list[list[dict]], tokenizer, template: str
         except RowError as err:
             rendered.append(err)
     texts = [r[0] for r in rendered if not isinstance(r, RowError)]
-    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True) if texts else None
+    enc = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True, verbose=False) if texts else None
     out: list[tuple[list[int], list[int]] | RowError] = []
     k = 0
     for r in rendered:
