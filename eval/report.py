@@ -266,7 +266,8 @@ def read_results(path: str | os.PathLike) -> dict:
 
 # ---- wandb -------------------------------------------------------------------------------------------------------
 def wandb_mode() -> str:
-    """Online only when an API key is configured (env or ~/.netrc); an evaluation never blocks on a login."""
+    """wandb mode `auto` (trainers and `python -m eval --wandb`): online only when an API key is configured (env or
+    ~/.netrc), so a run never blocks on a login; WANDB_MODE wins."""
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
     if os.environ.get("WANDB_API_KEY"):

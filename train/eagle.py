@@ -40,9 +40,8 @@ if __package__ in (None, ""):  # run as a file (`accelerate launch train/eagle.p
 
 from data.progress import quiet
 from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens, export_eagle
-from eval.consistency import ConsistencyError
 from train.config import RunConfig, main_guard
-from train.export_check import check_exported_drafter, consistency_summary
+from train.export_check import finish_run
 from train.features import batch_tokens, feature_source
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
                         load_verifier, log_table, unsharded)
@@ -172,17 +171,7 @@ def main(cfg: EagleRunConfig) -> dict:
         folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
         say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")
     # Train/serve consistency: the export, reloaded from disk, must accept what the in-memory drafter accepts.
-    try:
-        checked = check_exported_drafter(accelerator, cfg, drafter, verifier, eval_dl.dataset, tokenizer, say=say)
-    except ConsistencyError:
-        accelerator.end_training()
-        raise
-    if checked is not None:
-        loop.log(checked.metrics())
-        summary["consistency"] = consistency_summary(checked)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return summary
+    return finish_run(accelerator, loop, summary, cfg, drafter, verifier, eval_dl.dataset, tokenizer, say=say)
 
 
 if __name__ == "__main__":

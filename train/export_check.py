@@ -1,8 +1,9 @@
 """The trainers' last step: the exported drafter, reloaded from disk, must decode like the drafter that was trained.
 
-    result = check_exported_drafter(accelerator, cfg, drafter, verifier, heldout_ds, tokenizer, tree=tree)
-    if result is not None:                       # main process, check enabled
-        loop.log(result.metrics())               # eval/tau (the export's), eval/tau_in_memory, eval/accept_pos{k}
+    summary = finish_run(accelerator, loop, summary, cfg, drafter, verifier, heldout_ds, tokenizer, tree=tree)
+
+`finish_run` checks (`check_exported_drafter`), logs eval/tau (the export's), eval/tau_in_memory and
+eval/accept_pos{k}, adds the check to the run's summary and closes the run (trackers flushed).
 
 Both drafters decode the same held-out prompts greedily through our engine (`eval.consistency.check_export`); a
 difference raises `ConsistencyError` on every process, so the run exits non-zero with a message saying where the
@@ -95,3 +96,21 @@ def consistency_summary(result: ConsistencyResult) -> dict:
     """What a run's summary keeps of the check."""
     return {"tau": result.tau_export, "tau_in_memory": result.tau_in_memory, "prompts": result.num_prompts,
             "new_tokens": result.new_tokens}
+
+
+def finish_run(accelerator, loop, summary: dict, cfg: RunConfig, drafter, verifier, heldout_ds, tokenizer,
+               say=print, **options) -> dict:
+    """Both trainers' ending after the export: the train/serve check, its metrics logged and kept in `summary`, then
+    the run closed (wandb flushed, also when the check fails). Returns `summary`."""
+    try:
+        checked = check_exported_drafter(accelerator, cfg, drafter, verifier, heldout_ds, tokenizer, say=say,
+                                         **options)
+    except ConsistencyError:
+        accelerator.end_training()
+        raise
+    if checked is not None:
+        loop.log(checked.metrics())
+        summary["consistency"] = consistency_summary(checked)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return summary

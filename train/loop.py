@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from data.progress import quiet
+from eval.report import wandb_mode
 from train.checkpoint import (TrainState, complete_checkpoints, load_checkpoint, resolve_resume, save_checkpoint,
                               step_dir)
 from train.config import ConfigError, RunConfig, config_dict, save_config
@@ -76,24 +77,10 @@ def build_accelerator(cfg: RunConfig):
     return accelerator
 
 
-def wandb_mode(requested: str) -> str:
-    """`auto` is online only when an API key is configured (env or ~/.netrc); a run never blocks on a login."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "online"
-    return "offline"
-
-
 def init_wandb(accelerator, cfg: RunConfig) -> None:
     project = cfg.wandb.project or os.environ.get("WANDB_PROJECT") or "draftheads"
     init_kwargs = {"name": cfg.wandb.run_name or Path(cfg.output_dir).name, "dir": cfg.output_dir,
-                   "mode": wandb_mode(cfg.wandb.mode)}
+                   "mode": wandb_mode() if cfg.wandb.mode == "auto" else cfg.wandb.mode}
     if cfg.wandb.entity:
         init_kwargs["entity"] = cfg.wandb.entity
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)

@@ -39,9 +39,8 @@ if __package__ in (None, ""):  # run as a file (`accelerate launch train/medusa.
 from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config, build_medusa_tree,
                            expected_accepted_length, medusa2_losses, medusa_head_losses, save_medusa)
 from models.verifier import Verifier, VerifierFeatures
-from eval.consistency import ConsistencyError
 from train.config import ConfigError, RunConfig, main_guard
-from train.export_check import check_exported_drafter, consistency_summary
+from train.export_check import finish_run
 from train.features import FeatureSource, feature_source, online_features
 from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
                         log_table, sharded_weights, unsharded)
@@ -281,18 +280,8 @@ def main(cfg: MedusaRunConfig) -> dict:
                     rank_accuracy=rank_accuracy)
         accelerator.print(f"[medusa] drafter exported to {cfg.drafter_dir} ({summary['wall_time_s']} s)")
     # Train/serve consistency: the export, reloaded, must draft the same tree and accept the same tokens.
-    try:
-        checked = check_exported_drafter(accelerator, cfg, heads, verifier, eval_dl.dataset, tokenizer,
-                                         say=accelerator.print, tree=tree)
-    except ConsistencyError:
-        accelerator.end_training()
-        raise
-    if checked is not None:
-        loop.log(checked.metrics())
-        summary["consistency"] = consistency_summary(checked)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # flush and close wandb
-    return summary
+    return finish_run(accelerator, loop, summary, cfg, heads, verifier, eval_dl.dataset, tokenizer,
+                      say=accelerator.print, tree=tree)
 
 
 def _last_train_log(loop: TrainLoop) -> dict:
