@@ -51,3 +51,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fresh_accelerate():
+    """Accelerate's singletons reset before and after the test (trainers build their own Accelerator)."""
+    from tests.utils import reset_accelerate
+
+    reset_accelerate()
+    yield
+    reset_accelerate()

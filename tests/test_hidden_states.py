@@ -18,15 +18,7 @@ from train.features import feature_source
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def fresh_state(one_thread):
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    for reset in (lambda: AcceleratorState._reset_state(True), GradientState._reset_state, PartialState._reset_state):
-        reset()
-    yield
-    for reset in (lambda: AcceleratorState._reset_state(True), GradientState._reset_state, PartialState._reset_state):
-        reset()
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from train.checkpoint import complete_checkpoints
 from train.config import ConfigError, parse_config
 from train.eagle import EagleRunConfig, draft_vocab_counts, main
 from train.loop import TrainLoop
-from tests.utils import FAMILIES, save_tiny_verifier
+from tests.utils import FAMILIES, reset_accelerate, save_tiny_verifier
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,18 +39,7 @@ def verifier_dirs(tmp_path_factory):
     return {family: save_verifier_with_tokenizer(root / family, family) for family in FAMILIES}
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    reset_accelerate()
-    yield
-    reset_accelerate()
-
-
-def reset_accelerate():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def tiny_args(verifier, output_dir, version, *extra):

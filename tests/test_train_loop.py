@@ -13,15 +13,7 @@ from train.loop import (NonFiniteLossError, TrainLoop, build_accelerator, build_
                         make_dataloaders)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 class Rows(torch.utils.data.Dataset):

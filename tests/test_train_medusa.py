@@ -17,6 +17,7 @@ from tests.utils import save_tiny_verifier_with_tokenizer
 from train.config import ConfigError, parse_config
 from train.loop import TrainLoop
 from train.medusa import MedusaRunConfig, main
+from tests.utils import reset_accelerate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,15 +31,7 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 @pytest.fixture(scope="session")
@@ -132,10 +125,7 @@ def test_interrupted_and_resumed_run_equals_a_straight_run(verifier_dir, tmp_pat
     with pytest.raises(Interrupted):
         run(verifier_dir, tmp_path / "resumed")
     monkeypatch.setattr(TrainLoop, "step", step)
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate()
     run(verifier_dir, tmp_path / "resumed")
 
     a = load_file(str(tmp_path / "straight" / "drafter" / "model.safetensors"))

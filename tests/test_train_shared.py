@@ -5,20 +5,13 @@ import torch
 from torch import nn
 
 from models.verifier import Verifier
-from train.config import ConfigError, RunConfig, WandbConfig
+from train.config import RunConfig, WandbConfig
 from train.features import batch_tokens, feature_source, online_features
 from train.loop import build_accelerator, heldout_sums
+from tests.utils import reset_accelerate
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def test_online_features_keep_only_what_was_asked(llama_dir):
@@ -77,10 +70,7 @@ def test_resume_restores_the_random_stream_a_training_step_draws_from(tmp_path):
         return {"x": torch.stack([r["x"] for r in batch])}
 
     def train(folder, crash_at=None):
-        from accelerate.state import AcceleratorState, GradientState
-
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+        reset_accelerate()
         cfg = RunConfig(output_dir=str(folder), wandb=WandbConfig(enabled=False),
                         train=TrainConfig(max_steps=8, batch_size=2, save_every=3, log_every=1, lr=0.1))
         accelerator = build_accelerator(cfg)

@@ -151,3 +151,11 @@ def fit_eagle(verifier, version: int, corpus: list[list[int]], residual_scale: f
         layer.self_attn.o_proj.weight.mul_(residual_scale)
         layer.mlp.down_proj.weight.mul_(residual_scale)
     return drafter.eval().requires_grad_(False)
+
+
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide singletons, so the next Accelerator a test builds starts fresh."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # True: the PartialState too
+    GradientState._reset_state()
