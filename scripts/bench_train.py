@@ -175,14 +175,29 @@ def timed(fn: Callable[[dict], object], batches: list[dict], device: torch.devic
     return time.perf_counter() - start
 
 
-def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int) -> dict:
-    """Alternate timed rounds of the verifier forward and the train step over the same batches."""
-    device = verifier.device
+def verifier_forward(verifier) -> Step:
+    """What the train step is measured against: the verifier's plain forward (features and logits), no grad."""
 
     @torch.inference_mode()
     def forward(batch: dict) -> None:
         verifier.features(batch["input_ids"], batch["attention_mask"], return_logits=True)
 
+    return forward
+
+
+def count_flops(fn: Step, batch: dict) -> int:
+    """FLOPs of one call (torch.utils.flop_counter: matmuls and attention), whatever the machine's load."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn(batch)
+    return counter.get_total_flops()
+
+
+def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int) -> dict:
+    """Alternate timed rounds of the verifier forward and the train step over the same batches."""
+    device = verifier.device
+    forward = verifier_forward(verifier)
     tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
     for _ in range(warmup):
         timed(forward, batches, device)
@@ -221,7 +236,7 @@ def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]
 
 
 def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches: int = 4,
-        device: str | None = None, out: str | None = None) -> dict:
+        device: str | None = None, out: str | None = None, flops: bool = False) -> dict:
     from train.config import parse_config
     from train.loop import load_verifier
 
@@ -248,6 +263,10 @@ def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches
         "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         **result,
     }
+    if flops:  # after the timing: counting runs one more (untimed) train step
+        forward_flops, train_flops = count_flops(verifier_forward(verifier), data[0]), count_flops(step, data[0])
+        report.update(forward_gflop=forward_flops / 1e9, train_gflop=train_flops / 1e9,
+                      flop_ceiling=forward_flops / train_flops)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
@@ -265,10 +284,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=None, help="write the JSON report here")
+    parser.add_argument("--flops", action="store_true",
+                        help="also count FLOPs of one batch: the ratio the FLOPs alone allow (forward / train step)")
     args, rest = parser.parse_known_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run(args.method, rest, args.repeats, args.warmup, args.batches, args.device, args.out)
+    report = run(args.method, rest, args.repeats, args.warmup, args.batches, args.device, args.out, args.flops)
     print(f"[bench] {report['method']} on {report['verifier']} ({report['device']}, {report['threads']} threads, "
           f"B={report['batch_size']} T={report['seq_len']}, {report['batches']} batches x {report['repeats']} rounds)")
     print(f"[bench] verifier forward {report['forward_tokens_per_s_median']:,.0f} tok/s, train "
@@ -277,6 +298,9 @@ def main(argv: list[str] | None = None) -> dict:
     verdict = "" if goal is None else (f"; goal >= {goal}: " + ("met" if report["ratio_median"] >= goal else "MISSED"))
     print(f"[bench] train / forward = {report['ratio_median']:.3f} (min {report['ratio_min']:.3f}, "
           f"max {report['ratio_max']:.3f}){verdict}" + (f"; JSON: {args.out}" if args.out else ""))
+    if args.flops:
+        print(f"[bench] FLOPs per batch: verifier forward {report['forward_gflop']:.1f} G, train step "
+              f"{report['train_gflop']:.1f} G: the FLOPs alone allow train / forward = {report['flop_ceiling']:.3f}")
     return report
 
 

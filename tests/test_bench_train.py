@@ -38,7 +38,7 @@ def test_bench_reports_a_ratio(method, verifier_dir, tmp_path):
     threads = torch.get_num_threads()
     try:
         report = bench.main(["--method", method, "--repeats", "2", "--warmup", "1", "--batches", "1",
-                             "--threads", "1", "--out", str(out), "--verifier", str(verifier_dir),
+                             "--threads", "1", "--flops", "--out", str(out), "--verifier", str(verifier_dir),
                              "--data.seq_len=32", "--data.max_rows=2", "--data.eval_rows=1",
                              "--train.batch_size=2", "--wandb.enabled=false", *EXTRA.get(method, [])])
     finally:
@@ -48,6 +48,9 @@ def test_bench_reports_a_ratio(method, verifier_dir, tmp_path):
     assert saved["ratio_min"] <= saved["ratio_median"] <= saved["ratio_max"] and saved["ratio_median"] > 0
     assert saved["tokens_per_round"] == 2 * 32 and report["seq_len"] == 32
     assert saved["goal"] == {"medusa": None, "eagle1": 0.7, "eagle3": 0.5}[method]
+    # a train step runs the verifier forward and more: the FLOPs allow a ratio below 1
+    assert 0 < saved["forward_gflop"] < saved["train_gflop"]
+    assert saved["flop_ceiling"] == pytest.approx(saved["forward_gflop"] / saved["train_gflop"])
 
 
 def test_eagle_method_and_config_version_must_agree():
