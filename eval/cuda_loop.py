@@ -1,7 +1,6 @@
 """The fused decode loop: static shapes, CUDA graphs, fused acceptance + KV compaction, one host sync per step.
 
-    from eval import SpeculativeDecoder
-    from eval.cuda_loop import FusedDecoder
+    from eval import FusedDecoder, SpeculativeDecoder
     dec = SpeculativeDecoder.from_pretrained(verifier, draft, method="draft-model", device="cuda", dtype="bf16")
     out = FusedDecoder(dec).generate(prompts, max_new_tokens=256)    # same results as dec.generate(...)
 
@@ -12,7 +11,8 @@ Why. On a GPU at small batch, a decode step of a 1B model is ~1.7 GB of weights 
 layer, in the ~100 small launches of tree acceptance and KV compaction, and in host syncs. Real speedup then sits
 far below tau (tokens per verifier call). This loop removes that overhead and keeps the verifier's math unchanged.
 
-What a step is. The same pieces as `SpeculativeDecoder` (eval/decoder.py), run as two segments:
+What a step is. The same pieces as `SpeculativeDecoder` (eval/decoder.py), run as two segments (the loop around
+the steps, EOS and per-row bookkeeping included, is eval/generation.py's, shared with the unfused decoder):
     V   verify    verifier forward over root + N nodes (decoder.verify), the acceptance kernel
                   (eval.kernels.accept: the same draws from the same generator as eval.acceptance.accept),
                   decoder.commit with the cache's one-launch compaction kernel (kernels.FusedKVCache)
@@ -66,13 +66,12 @@ four draft passes per step, so efficiency = speedup / tau is bounded near 0.6 (E
 batch 1 on this model, and grows with the verifier. Eager, a step costs several ms of Python and launches: that
 gap, not the math, is what this loop removes.
 
-Wiring: `SpeculativeDecoder(..., fused=True)` (or `from_pretrained(..., fused=True)`, `python -m eval --fused`) runs
-`generate` through this loop.
+Wiring: the caller picks this loop by wrapping a decoder, `FusedDecoder(SpeculativeDecoder(...))` (`python -m eval
+--fused`); eval/decoder.py does not know about it.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
 
@@ -80,7 +79,8 @@ import torch
 
 from eval import kernels
 from eval.acceptance import Acceptance
-from eval.decoder import _CONFIG, DecodeStats, GenerationResult, SpeculativeDecoder
+from eval.decoder import SpeculativeDecoder
+from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
 from eval.drafters import DraftModelDrafter, NgramDrafter
 from eval.protocol import Committed, DecodeState, Draft, Sampling
 from eval.runtime import bucket
@@ -352,7 +352,7 @@ class FusedDecoder:
         self.device = decoder.device
         self.buckets = buckets
         self.backend = backend
-        kernels._mode(self.device, backend)  # an unusable backend is an error now, not at the first step
+        kernels.kernel_mode(self.device, backend)  # an unusable backend is an error now, not at the first step
         self.graphs = SegmentGraphs(self.device, self.device.type == "cuda" if graphs is None else graphs,
                                     strict=strict_graphs)
         if capture_drafter is None:
@@ -384,8 +384,11 @@ class FusedDecoder:
             self._drafter_addresses = addresses
 
     # ---- begin / step ----------------------------------------------------------------------------------------
-    def begin(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> LoopState:
-        """Token buffer and KV cache of the bucket, the verifier's prefill, the drafter's start (all eager)."""
+    def begin(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+              timings: dict[str, float] | None = None) -> LoopState:
+        """Token buffer and KV cache of the bucket, the verifier's prefill, the drafter's start and its first
+        proposal (all eager; timed together as the prefill)."""
+        t0 = self.tick()
         N = self.num_draft_tokens
         B = self.buckets.batch_size(len(prompts))
         capacity = self.buckets.capacity_for(max(map(len, prompts)) + max_new_tokens + 2 * N + 2)
@@ -399,6 +402,8 @@ class FusedDecoder:
         loop = LoopState(state, list(state.lengths_host), [b < len(prompts) for b in range(B)], len(prompts))
         self._plan(loop)
         self._propose(state, sampling)  # the first draft, eagerly (the drafter's state is fresh from the prefill)
+        if timings is not None:
+            add_times(timings, prefill=self.tick() - t0)
         return loop
 
     def _plan(self, loop: LoopState) -> int:
@@ -416,22 +421,25 @@ class FusedDecoder:
         W = self._plan(loop)
         key = (W, sampling.temperature, sampling.top_p)
         gen = None if sampling.greedy else sampling.generator
-        t0 = self._tick()
+        t0 = self.tick()
         self.graphs.run(("verify",) + key, lambda: self._verify(state, sampling), gen)
         S.fetch()
-        t1 = self._tick()
+        t1 = self.tick()
         self.graphs.run(("observe_propose",) + key, lambda: self._observe_propose(state, sampling), gen,
                         self.capture_drafter)
-        t2 = self._tick()
+        t2 = self.tick()
         rows = S.fetched_rows()
         for b in range(S.batch_size):
             if loop.active[b]:
                 loop.lengths[b] += rows[b][0] + 1
         if timings is not None:
-            timings["verify"] = timings.get("verify", 0.0) + (t1 - t0)
-            timings["draft"] = timings.get("draft", 0.0) + (t2 - t1)
-            timings["other"] = timings.get("other", 0.0) + (self._tick() - t2)
+            add_times(timings, verify=t1 - t0, draft=t2 - t1, other=self.tick() - t2)
         return rows[: loop.num_rows]
+
+    def set_active(self, loop: LoopState, active: list[bool]) -> None:
+        """Switch finished real rows off (host lists and the device mask; no sync)."""
+        loop.active[: len(active)] = active
+        self.buffers.set_active(loop.active)
 
     def _propose(self, state: DecodeState, sampling: Sampling) -> Draft:
         draft = self.drafter.propose(state, sampling)
@@ -457,62 +465,31 @@ class FusedDecoder:
         self.drafter.observe(state, S.committed)
         return self._propose(state, sampling)
 
-    def _tick(self) -> float:
-        if self.sync_timings and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    # ---- what eval/generation.py's loop asks of an engine ---------------------------------------------------------
+    @property
+    def verifier(self):
+        return self.decoder.verifier
 
-    # ---- generate ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @property
+    def method(self) -> str:
+        return self.decoder.method
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return self.decoder.eos_token_ids
+
+    def sampling_generator(self) -> torch.Generator:
+        return self.generator  # one generator, registered with every captured graph
+
+    @property
+    def phase_timings(self) -> bool:
+        """Per-phase times are reported only when synchronised: replayed graphs return before the GPU is done."""
+        return self.sync_timings
+
+    def tick(self) -> float:
+        return tick(self.device, self.sync_timings)
+
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, eos_token_id=_CONFIG) -> GenerationResult:
+                 seed: int | None = None, eos_token_id=CONFIG_EOS) -> GenerationResult:
         """`SpeculativeDecoder.generate`, fused: same arguments, same results (see the module docstring)."""
-        dec = self.decoder
-        prompts = dec._prompts(input_ids)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
-        eos = set(dec.eos_token_ids if eos_token_id is _CONFIG else [] if eos_token_id is None else
-                  [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
-        sampling = Sampling(temperature, top_p, self.generator)
-        B, N = len(prompts), self.num_draft_tokens
-        stats = DecodeStats(dec.method, B, N, accepted=[[] for _ in range(B)])
-        if hasattr(stats, "lossless"):  # the engine's flag for lossy (typical) acceptance
-            stats.lossless = getattr(self.drafter, "typical", None) is None or sampling.greedy
-        outputs: list[list[int]] = [[] for _ in range(B)]
-        t_start = self._tick()
-        if max_new_tokens == 0:
-            stats.new_tokens = [0] * B
-            return GenerationResult(outputs, stats)
-        loop = self.begin(prompts, max_new_tokens, sampling)
-        stats.prefill_calls = int(max(loop.lengths) > 0)
-        stats.time_prefill_s = self._tick() - t_start
-        timings: dict[str, float] = {}
-        while any(loop.active):
-            stats.draft_tokens += N * sum(loop.active)
-            rows = self.step(loop, sampling, timings)
-            newly_done = False
-            for b in range(B):
-                if not loop.active[b]:
-                    continue
-                a = rows[b][0]
-                stats.accepted[b].append(a)
-                out_b = outputs[b]
-                for tok in rows[b][2: 2 + a] + [rows[b][-1]]:
-                    out_b.append(tok)
-                    if tok in eos or len(out_b) >= max_new_tokens:
-                        loop.active[b] = False
-                        newly_done = True
-                        break
-            stats.verifier_calls += 1
-            if newly_done:
-                self.buffers.set_active(loop.active)
-        stats.time_total_s = self._tick() - t_start
-        if self.sync_timings:
-            stats.time_draft_s, stats.time_verify_s, stats.time_other_s = (timings.get(k, 0.0) for k in
-                                                                           ("draft", "verify", "other"))
-        stats.new_tokens = [len(o) for o in outputs]
-        return GenerationResult(outputs, stats)
+        return generate(self, input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)

@@ -30,8 +30,6 @@ token comes out of a verification step (and a drafter drafts from the very first
 from __future__ import annotations
 
 import inspect
-import time
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,87 +37,11 @@ from torch import nn
 from eval.acceptance import Acceptance, accept
 from eval.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, load_causal_lm
 from eval.eagle_drafter import make_eagle
+from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
 from eval.medusa_drafter import make_medusa
 from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
 from eval.runtime import ModelRunner, RunnerOutput, bucket, causal_mask
 from eval.tree import tree_attention_mask
-
-_CONFIG = object()  # "use the verifier config's eos_token_id"
-
-
-@dataclass
-class DecodeStats:
-    """What one `generate` call did. Accepted counts exclude the bonus / corrected token (a step yields a+1)."""
-
-    method: str
-    batch_size: int
-    num_draft_tokens: int
-    """N: draft tokens proposed per row per step."""
-    verifier_calls: int = 0
-    """Decode steps, one verifier forward each (the prefill is counted in `prefill_calls`)."""
-    prefill_calls: int = 0
-    accepted: list[list[int]] = field(default_factory=list)
-    """Per row: accepted draft tokens at each step the row was active."""
-    draft_tokens: int = 0
-    """Draft tokens proposed, over active rows and steps."""
-    new_tokens: list[int] = field(default_factory=list)
-    """Per row: tokens returned."""
-    time_prefill_s: float = 0.0
-    time_draft_s: float = 0.0
-    """Drafter time: propose + observe (its own prefill and rollback included)."""
-    time_verify_s: float = 0.0
-    """Verifier forwards of the decode steps."""
-    time_other_s: float = 0.0
-    """Acceptance, commit (KV compaction), the host sync and bookkeeping."""
-    time_total_s: float = 0.0
-    lossless: bool = True
-    """False when a lossy acceptance rule ran (Medusa typical acceptance at T > 0): outputs do not follow the
-    verifier's distribution."""
-
-    @property
-    def steps_per_row(self) -> list[int]:
-        return [len(a) for a in self.accepted]
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens per verifier call per row, bonus token included (vLLM's acceptance length)."""
-        steps = sum(self.steps_per_row)
-        return (sum(map(sum, self.accepted)) + steps) / steps if steps else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / proposed draft tokens."""
-        return sum(map(sum, self.accepted)) / self.draft_tokens if self.draft_tokens else 0.0
-
-    def per_position_acceptance(self, depth: int | None = None) -> list[float]:
-        """Fraction of steps whose accepted length reached k, for k = 1..depth (default: the longest seen)."""
-        flat = [a for row in self.accepted for a in row]
-        if not flat:
-            return []
-        depth = depth if depth is not None else max(flat + [0])
-        return [sum(a >= k for a in flat) / len(flat) for k in range(1, depth + 1)]
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(self.new_tokens) / self.time_total_s if self.time_total_s > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {"method": self.method, "batch_size": self.batch_size, "num_draft_tokens": self.num_draft_tokens,
-                "verifier_calls": self.verifier_calls, "prefill_calls": self.prefill_calls,
-                "accepted": self.accepted, "draft_tokens": self.draft_tokens, "new_tokens": self.new_tokens,
-                "tau": self.tau, "acceptance_rate": self.acceptance_rate,
-                "per_position_acceptance": self.per_position_acceptance(), "tokens_per_s": self.tokens_per_s,
-                "time_prefill_s": self.time_prefill_s, "time_draft_s": self.time_draft_s,
-                "time_verify_s": self.time_verify_s, "time_other_s": self.time_other_s,
-                "time_total_s": self.time_total_s, "lossless": self.lossless}
-
-
-@dataclass
-class GenerationResult:
-    output_ids: list[list[int]]
-    """Per row: the new token ids only, ending with the first EOS if one came."""
-    stats: DecodeStats
-
 
 # ---- method registry ---------------------------------------------------------------------------------------------
 def _autoregressive(verifier, draft, device, dtype):
@@ -178,7 +100,7 @@ class SpeculativeDecoder:
     `commit`)."""
 
     def __init__(self, verifier, drafter: Drafter | None = None, method: str | None = None, window_bucket: int = 64,
-                 sync_timings: bool = False, fused: bool = False):
+                 sync_timings: bool = False):
         from models.verifier import Verifier
 
         if isinstance(verifier, nn.Module) and not isinstance(verifier, Verifier):
@@ -190,10 +112,6 @@ class SpeculativeDecoder:
         self.window_bucket = window_bucket
         self.sync_timings = sync_timings
         """Synchronise the device around timed phases (exact per-phase timings on CUDA, slightly slower)."""
-        self.fused = fused
-        """Run `generate` through the fused CUDA loop (eval/cuda_loop.py: CUDA graphs, fused acceptance and KV
-        compaction kernels, one host sync per step); on the CPU it is the same loop with graphs off."""
-        self._fused_loop = None
         self.cache = None
         eos = verifier.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -203,7 +121,7 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, verifier, draft=None, method: str = "autoregressive", device=None, dtype=None,
-                        fused: bool = False, **method_options) -> "SpeculativeDecoder":
+                        **method_options) -> "SpeculativeDecoder":
         """verifier: a name/folder (`models.verifier.Verifier.from_pretrained`) or a Verifier; draft: what the
         method needs (a draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle')."""
         from models.verifier import Verifier
@@ -214,35 +132,13 @@ class SpeculativeDecoder:
         else:
             verifier = Verifier.from_pretrained(verifier, dtype=dtype, device=device)
         drafter = make_drafter(method, verifier, draft, device=device, dtype=dtype, **method_options)
-        return cls(verifier, drafter, method=method, fused=fused)
+        return cls(verifier, drafter, method=method)
 
     @property
     def device(self) -> torch.device:
         return self.runner.device
 
     # ---- inputs --------------------------------------------------------------------------------------------------
-    def _prompts(self, input_ids) -> list[list[int]]:
-        if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 1:
-                input_ids = input_ids[None]
-            if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int, torch.int32, torch.int16):
-                raise ValueError(f"input_ids: expected a LongTensor [B, T], got {input_ids.dtype} of shape "
-                                 f"{tuple(input_ids.shape)}")
-            prompts = input_ids.tolist()
-        else:
-            prompts = [list(map(int, row)) for row in input_ids]
-        if not prompts:
-            raise ValueError("input_ids: empty batch")
-        V = self.verifier.vocab_size
-        for b, row in enumerate(prompts):
-            if not row:
-                raise ValueError(f"input_ids row {b} is empty; every prompt needs at least one token")
-            bad = [t for t in row if not 0 <= t < V]
-            if bad:
-                raise ValueError(f"input_ids row {b} has token ids {bad[:5]} outside the verifier's vocabulary "
-                                 f"(0..{V - 1})")
-        return prompts
-
     def _capacity(self, prompts, max_new_tokens: int) -> int:
         # An active row has length <= T + max_new - 2; its last step may commit D + 1 more, and a finished row is
         # still verified (fixed shapes): N + 1 slots past that, and its tokens written up to D + 1 past it.
@@ -263,7 +159,7 @@ class SpeculativeDecoder:
         plen = torch.tensor([len(r) for r in prompts])
         return DecodeState(tokens=tokens.to(dev), lengths=(plen - 1).to(dev),
                            active=torch.ones(B, dtype=torch.bool, device=dev), prompt_lengths=plen.to(dev),
-                           capacity=capacity, lengths_host=[len(r) - 1 for r in prompts])
+                           capacity=capacity, lengths_host=[len(r) - 1 for r in prompts], active_host=[True] * B)
 
     def _window(self, state: DecodeState, new: int) -> int:
         return min(state.capacity, bucket(max(state.lengths_host) + new, self.window_bucket))
@@ -337,117 +233,71 @@ class SpeculativeDecoder:
             logits=out.logits.gather(1, path[..., None].expand(-1, -1, out.logits.shape[-1]))
             if d.wants_logits else None)
 
-    def begin(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling) -> DecodeState:
+    # ---- the loop (eval/generation.py runs it: begin, then step until every row stopped) -------------------------
+    def begin(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling,
+              timings: dict[str, float] | None = None) -> DecodeState:
         """A new batch: token buffer and KV cache for these prompts, the verifier's prefill, the drafter's start."""
+        timings = {} if timings is None else timings
+        t0 = self.tick()
         state = self._new_state(prompts, max_new_tokens)
         committed = self.prefill(state)
+        t1 = self.tick()
         self.drafter.start(state, sampling)
         self.drafter.observe(state, committed)
+        add_times(timings, prefill=t1 - t0, draft=self.tick() - t1)
         return state
 
-    def step(self, state: DecodeState, sampling: Sampling) -> tuple[Draft, Acceptance, Committed]:
-        """One decode step without timing or host bookkeeping (for tests and notebooks; `generate` runs the same
-        pieces). Refreshes `state.lengths_host` (a host sync)."""
+    def step(self, state: DecodeState, sampling: Sampling, timings: dict[str, float] | None = None
+             ) -> list[list[int]]:
+        """One decode step: draft, verify (one forward), accept, commit, the step's one host sync, observe.
+
+        Returns per row the packed host row [accepted a, root, accepted tokens (padded to D), next token] and
+        advances `state.lengths_host` of the active rows (`state.active_host`)."""
+        timings = {} if timings is None else timings
+        t0 = self.tick()
         draft = self.draft(state, sampling)
+        t1 = self.tick()
         out = self.verify(state, draft)
+        t2 = self.tick()
         acc = self.accept(draft, out, sampling)
         committed = self.commit(state, draft, acc, out)
-        committed = committed.trim(max(int(committed.count.max()), 1))
+        # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots. Before the
+        # drafter's observe, so that it runs over the longest accepted path only (on a CPU a forward over 1-2
+        # tokens costs much less than over the deepest possible D+1).
+        rows = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
+        active = state.active_host
+        committed = committed.trim(max([rows[b][0] + 1 for b in range(len(rows)) if active[b]], default=1))
+        t3 = self.tick()
         self.drafter.observe(state, committed)
-        state.lengths_host = state.lengths.tolist()
-        return draft, acc, committed
+        t4 = self.tick()
+        for b, row in enumerate(rows):
+            if active[b]:
+                state.lengths_host[b] += row[0] + 1
+        add_times(timings, draft=(t1 - t0) + (t4 - t3), verify=t2 - t1, other=t3 - t2)
+        return rows
 
-    # ---- generate ------------------------------------------------------------------------------------------------
-    def _tick(self) -> float:
-        if self.sync_timings and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def set_active(self, state: DecodeState, active: list[bool]) -> None:
+        """Switch finished rows off (host list and device mask; no sync)."""
+        state.active_host = list(active)
+        state.active.copy_(torch.tensor(active), non_blocking=True)
 
-    @torch.inference_mode()
+    def sampling_generator(self) -> torch.Generator:
+        return torch.Generator(device=self.device)
+
+    @property
+    def phase_timings(self) -> bool:
+        return True
+
+    def tick(self) -> float:
+        return tick(self.device, self.sync_timings)
+
     def generate(self, input_ids, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, eos_token_id=_CONFIG) -> GenerationResult:
+                 seed: int | None = None, eos_token_id=CONFIG_EOS) -> GenerationResult:
         """Decode up to `max_new_tokens` per row. input_ids: LongTensor [B, T] or a list of token-id lists.
 
         temperature 0 is greedy; otherwise samples exactly from softmax(logits / T) restricted to the top-p
         nucleus (nothing else: no generation-config top-k). `seed` makes sampling reproducible. Rows stop after
         their first EOS (the verifier config's eos_token_id(s), or `eos_token_id`: an id, a list, or None).
+        The loop is eval/generation.py's, shared with the fused CUDA loop (`FusedDecoder(decoder).generate`).
         """
-        if self.fused:
-            if self._fused_loop is None:
-                from eval.cuda_loop import FusedDecoder  # imported here: eval.cuda_loop imports this module
-
-                self._fused_loop = FusedDecoder(self)
-            return self._fused_loop.generate(input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)
-        prompts = self._prompts(input_ids)
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 0")
-        eos = set(self.eos_token_ids if eos_token_id is _CONFIG else [] if eos_token_id is None else
-                  [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        sampling = Sampling(temperature, top_p, generator)
-        B = len(prompts)
-        drafter = self.drafter
-        stats = DecodeStats(self.method, B, drafter.num_draft_tokens, accepted=[[] for _ in range(B)],
-                            lossless=drafter.typical is None or sampling.greedy)
-        outputs: list[list[int]] = [[] for _ in range(B)]
-        t_start = self._tick()
-        if max_new_tokens == 0:
-            stats.new_tokens = [0] * B
-            return GenerationResult(outputs, stats)
-
-        state = self._new_state(prompts, max_new_tokens)
-        committed = self.prefill(state)
-        stats.prefill_calls = int(max(state.lengths_host) > 0)
-        t = self._tick()
-        stats.time_prefill_s = t - t_start
-        drafter.start(state, sampling)
-        drafter.observe(state, committed)
-        stats.time_draft_s += self._tick() - t
-
-        active = [True] * B
-        while any(active):
-            stats.draft_tokens += drafter.num_draft_tokens * sum(active)
-            t0 = self._tick()
-            draft = self.draft(state, sampling)
-            t1 = self._tick()
-            out = self.verify(state, draft)
-            t2 = self._tick()
-            acc = self.accept(draft, out, sampling)
-            committed = self.commit(state, draft, acc, out)
-            # The step's one device -> host sync: accepted lengths, the accepted tokens, the new roots. Before the
-            # drafter's observe, so that it runs over the longest accepted path only (on a CPU a forward over 1-2
-            # tokens costs much less than over the deepest possible D+1).
-            host = torch.cat([acc.num_accepted[:, None], committed.tokens, acc.next_token[:, None]], 1).tolist()
-            committed = committed.trim(max(host[b][0] + 1 for b in range(B) if active[b]))
-            t3 = self._tick()
-            drafter.observe(state, committed)
-            t4 = self._tick()
-            newly_done = False
-            for b in range(B):
-                if not active[b]:
-                    continue
-                a = host[b][0]
-                new = host[b][2: 2 + a] + [host[b][-1]]
-                stats.accepted[b].append(a)
-                state.lengths_host[b] += a + 1
-                out_b = outputs[b]
-                for tok in new:
-                    out_b.append(tok)
-                    if tok in eos or len(out_b) >= max_new_tokens:
-                        active[b] = False
-                        newly_done = True
-                        break
-            stats.verifier_calls += 1
-            if newly_done:
-                state.active.copy_(torch.tensor(active), non_blocking=True)
-            t5 = self._tick()
-            stats.time_draft_s += (t1 - t0) + (t4 - t3)
-            stats.time_verify_s += t2 - t1
-            stats.time_other_s += (t3 - t2) + (t5 - t4)
-        stats.time_total_s = self._tick() - t_start
-        stats.new_tokens = [len(o) for o in outputs]
-        return GenerationResult(outputs, stats)
+        return generate(self, input_ids, max_new_tokens, temperature, top_p, seed, eos_token_id)

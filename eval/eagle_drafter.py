@@ -273,7 +273,8 @@ def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k:
                tree_sampling: str | None = None) -> EagleTreeDrafter:
     """The `eagle` method: `draft` is an exported folder (`models.eagle.export_eagle`) or an EagleDrafter module.
     Default: EAGLE-2's dynamic tree (depth, top_k, total_tokens); chain=K for a chain of K tokens."""
-    from models.eagle import EagleDrafter, load_eagle
+    from models.eagle import EagleDrafter
+    from models.export import load_eagle
 
     if draft is None:
         raise ValueError("method 'eagle' needs draft=<an EAGLE export folder (export_eagle) or EagleDrafter>")

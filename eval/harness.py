@@ -53,7 +53,7 @@ class MethodSpec:
     label: str | None = None
     """Name in tables and plots; default the method name."""
     fused: bool = False
-    """Run the engine's fused CUDA loop (`SpeculativeDecoder(fused=True)`)."""
+    """Run the engine's fused CUDA loop (`FusedDecoder(SpeculativeDecoder(...))`, eval/cuda_loop.py)."""
 
     def __post_init__(self):
         self.label = self.label or self.method
@@ -102,7 +102,7 @@ def cut_at_eos(ids: list[int], eos: list[int]) -> list[int]:
 
 # ---- runners: one generate call over a batch of prompts --------------------------------------------------------
 class EngineRunner:
-    """A method of this engine (`SpeculativeDecoder`)."""
+    """A method of this engine (`SpeculativeDecoder`, or `FusedDecoder` around one)."""
 
     def __init__(self, spec: MethodSpec, verifier, decoder):
         self.spec, self.verifier, self.decoder = spec, verifier, decoder
@@ -210,6 +210,7 @@ class HFRunner:
 def build_runners(verifier, specs: list[MethodSpec], dtype=None) -> list:
     """A runner per spec, sharing the verifier. Engine drafters are built first (a Medusa-2 export merges its
     adapter into the verifier, which every runner must then see), HF runners last."""
+    from eval.cuda_loop import FusedDecoder
     from eval.decoder import SpeculativeDecoder, make_drafter
 
     labels = [s.label for s in specs]
@@ -238,8 +239,8 @@ def build_runners(verifier, specs: list[MethodSpec], dtype=None) -> list:
                 n = drafters[draft_model.label].num_draft_tokens
             runners[spec.label] = HFRunner(spec, verifier, assistant, num_assistant_tokens=n, **options)
         else:
-            dec = SpeculativeDecoder(verifier, drafters[spec.label], spec.method, fused=spec.fused)
-            runners[spec.label] = EngineRunner(spec, verifier, dec)
+            dec = SpeculativeDecoder(verifier, drafters[spec.label], spec.method)
+            runners[spec.label] = EngineRunner(spec, verifier, FusedDecoder(dec) if spec.fused else dec)
     return [runners[s.label] for s in specs]
 
 

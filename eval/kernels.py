@@ -73,7 +73,7 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false", "False")
 
 
-def _mode(device: torch.device, backend: str) -> str:
+def kernel_mode(device: torch.device, backend: str) -> str:
     """'torch', 'compiled' or 'interpret' for tensors on `device`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {', '.join(BACKENDS)}")
@@ -115,7 +115,7 @@ def greedy_accept(draft_tokens: torch.Tensor, tree: Tree, target_logits: torch.T
                   backend: str = "auto") -> Acceptance:
     """draft_tokens (B, N), tree over N+1 nodes, target_logits (B, N+1, V) -> the deepest path whose every token
     is the verifier's argmax at its parent (ties: lowest node index); `eval.acceptance.greedy_tree`."""
-    mode = _mode(draft_tokens.device, backend)
+    mode = kernel_mode(draft_tokens.device, backend)
     if mode == "torch":
         return greedy_tree(draft_tokens, tree, target_logits)
     B, N = draft_tokens.shape
@@ -145,7 +145,7 @@ def sample_accept(draft_tokens: torch.Tensor, tree: Tree, draft_probs: torch.Ten
     """Lossless speculative sampling over a chain or tree with explicit randomness; `eval.acceptance.sample_tree`
     (which is `sample_chain` for chains). Shapes: draft_tokens (B, N), draft_probs (B, N, V) or None (one-hot),
     target_probs (B, N+1, V) float32, uniform (B, N), noise (B, V)."""
-    mode = _mode(draft_tokens.device, backend)
+    mode = kernel_mode(draft_tokens.device, backend)
     if mode == "torch":
         return sample_tree(draft_tokens, tree, draft_probs, target_probs, uniform, noise)
     B, N = draft_tokens.shape
@@ -211,7 +211,7 @@ def compact(cache: StaticKVCache, base: torch.Tensor, path: torch.Tensor, backen
     """Move the accepted path to consecutive slots in every layer: slot base+path[:, j] -> slot base+j.
     base (B,), path (B, P). `StaticKVCache.compact` in one launch (bit-exact, the garbage past the accepted length
     included)."""
-    mode = _mode(base.device, backend)
+    mode = kernel_mode(base.device, backend)
     if mode == "interpret" and base.device.type != "cpu":
         mode = "torch"  # the interpreter cannot follow a table of device pointers
     if mode == "torch":

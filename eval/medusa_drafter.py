@@ -135,7 +135,8 @@ def make_medusa(verifier, draft, paths=None, tree_budget: int | None = None, cha
 
     A Medusa-2 folder's LoRA adapter is merged into `verifier` in place (once; loading the same folder again is a
     no-op, another adapter on an already adapted verifier is an error)."""
-    from models.medusa import MedusaHeads, load_medusa
+    from models.medusa import MedusaHeads
+    from models.export import load_medusa
 
     if acceptance not in ACCEPTANCE:
         raise ValueError(f"method 'medusa': acceptance={acceptance!r}; expected one of {ACCEPTANCE}")
@@ -163,7 +164,7 @@ def make_medusa(verifier, draft, paths=None, tree_budget: int | None = None, cha
 
 def _merge_adapter_once(folder: Path, adapter: str, verifier) -> None:
     """Medusa-2: merge the export's adapter into the verifier unless this very adapter is already merged."""
-    from models.medusa import load_medusa_verifier
+    from models.export import load_medusa_verifier
 
     source = str((folder / adapter).resolve())
     merged = getattr(verifier, "merged_medusa_adapter", None)

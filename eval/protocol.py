@@ -1,6 +1,6 @@
 """The drafter protocol: what the decode loop gives a drafter, and what it gets back.
 
-The loop (eval/decoder.py) per step:
+The loop (eval/generation.py, running eval/decoder.py's pieces) per step:
 
     draft = drafter.propose(state, sampling)            # Draft: tokens (B, N), tree, probs (B, N, V) or None
     out   = verify(state, draft)                        # ONE verifier forward over root + N draft nodes
@@ -93,6 +93,8 @@ class DecodeState:
     """Slots per row in the token buffer and in every KV cache."""
     lengths_host: list[int] = field(default_factory=list)
     """`lengths` as Python ints (valid at the start of each step)."""
+    active_host: list[bool] = field(default_factory=list)
+    """`active` as Python bools (the loop's copy; it switches rows off in both)."""
 
     @property
     def batch_size(self) -> int:

@@ -24,6 +24,7 @@ import subprocess
 from pathlib import Path
 
 from eval.metrics import MethodRun, summarize
+from models.atomic import write_json
 
 BASELINE = "autoregressive"
 PLOTS = ("accepted_length.png", "per_position_acceptance.png", "tokens_per_s.png")
@@ -239,9 +240,7 @@ def write_report(results: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"results": out / "results.json", "report": out / "report.md"}
-    tmp = paths["results"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=1) + "\n")
-    tmp.replace(paths["results"])
+    write_json(paths["results"], results)
     for p in write_plots(results["summary"], out):
         paths[p.stem] = p
     paths["report"].write_text(markdown_report(results))

@@ -68,7 +68,7 @@ def load_run_verifier(results: dict, verifier=None, device: str | None = None):
         verifier = Verifier.from_pretrained(verifier or cfg["verifier"], dtype=dtype, device=device or "cpu")
     for m in cfg.get("methods", []):
         if m.get("method") == "medusa" and m.get("draft") and Path(m["draft"]).is_dir():
-            from models.medusa import load_medusa_verifier
+            from models.export import load_medusa_verifier
 
             load_medusa_verifier(m["draft"], verifier, merge=True)  # a no-op for Medusa-1
             break

@@ -68,61 +68,23 @@ Inference API (for the spec-decode engine), the same for both versions:
   drafter.project_features(list of (B,T,H)) -> (B,T,H): EAGLE-3's fc; EAGLE-1 returns its single final feature.
   drafter.feature_layers: the verifier layer ids to request (EAGLE-1: none, it uses the final feature).
 
-Export (`export_eagle`), `config.json` + `model.safetensors`, weights in the drafter's dtype:
-  EAGLE-1  config: architectures ["LlamaForCausalLM"] (vLLM's EAGLEConfig turns it into EagleLlamaForCausalLM for
-           method "eagle"), model_type "llama", num_hidden_layers 1, the verifier's layer dims, rope and vocab_size,
-           `bias` (fc bias, the EAGLE repo's key), attention_bias, mlp_bias, tie_word_embeddings false.
-           weights: fc.weight [H, 2H] (+ fc.bias [H]), layers.0.self_attn.{q,k,v,o}_proj.weight,
-           layers.0.mlp.{gate,up,down}_proj.weight, layers.0.post_attention_layernorm.weight.
-           No input_layernorm, no embed_tokens, no lm_head (the engine shares the verifier's).
-  EAGLE-3  config: architectures ["LlamaForCausalLMEagle3"], model_type "llama", num_hidden_layers 1, the layer dims
-           (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
-           rms_norm_eps, rope_theta / rope_scaling / rope_parameters, max_position_embeddings), vocab_size (the
-           verifier's), draft_vocab_size, target_hidden_size, tie_word_embeddings false, bias false (fc),
-           attention_bias, mlp_bias, norm_before_residual, eagle_config {eagle_aux_hidden_state_layer_ids,
-           use_aux_hidden_state: true}.
-           weights: fc.weight [H, 3H], layers.0.self_attn.{q,k,v}_proj.weight [*, 2H], layers.0.self_attn.o_proj
-           .weight, layers.0.mlp.{gate,up,down}_proj.weight, layers.0.{input_layernorm,hidden_norm,
-           post_attention_layernorm}.weight, norm.weight, lm_head.weight [Vd, H], d2t int64 [Vd], t2d bool [V].
-           No embed_tokens.
-  Both carry the `draftheads` block (method eagle1/eagle3, verifier describe() with fingerprint, layer_ids, the
-  resolved EagleConfig, engine flavour, training summary). `load_eagle(folder, verifier)` reads either back
-  bit-exactly and refuses another verifier (fingerprint, hidden size, layer count or vocab), naming the field.
-
-What the engines' loaders do (read from vLLM `llama_eagle.py`, `llama_eagle3.py`, `transformers_utils/configs/
-eagle.py`, `gpu_model_runner.py`, and SGLang `llama_eagle.py`, `llama_eagle3.py`, `llama.py`):
-  - Biases. vLLM's Llama attention takes `attention_bias` (or `bias`!) for q/k/v *and* o_proj, so a family with
-    q/k/v biases only (Qwen2) is written with attention_bias true and a zero `o_proj.bias`; any bias the drafter
-    lacks but the engine expects is written as zeros (and must be zeros on load). vLLM's EAGLE-1 fc has no bias
-    (fc.bias is dropped or fails to load, depending on the version) and it reads `bias` as attention bias: train
-    EAGLE-1 with fc_bias=false for vLLM. SGLang's EAGLE-3 qkv_proj never has a bias (q/k/v biases are ignored
-    there): use qkv_bias=false for SGLang.
-  - Layer ids. vLLM reads `eagle_aux_hidden_state_layer_ids` (top level, else inside eagle_config) as the inputs
-    of those layers (our convention). SGLang adds 1 to explicit ids (its ids are layer *outputs*).
-  - Key names. vLLM accepts `layers.0.*` and `midlayer.*`; SGLang's EAGLE-3 loader only knows `midlayer.*` and
-    silently skips other names; its EAGLE-1 class is `LlamaForCausalLMEagle` and always has an fc bias.
-  `export_eagle(..., engine="sglang")` writes that flavour (midlayer.* keys, layer ids - 1,
-  LlamaForCausalLMEagle, zero fc.bias when trained without one); the default `engine="vllm"` is the spec above.
+Export and load: models/export.py (`export_eagle`, `load_eagle`), in the layouts of models/layouts/ (vLLM's,
+SGLang's); this module holds the drafter, its losses and math only.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.export import DrafterFormatError, metadata_block, read_drafter, read_metadata, require_keys, write_drafter
-
 #: Verifier families whose decoder layer the drafter copies (HF model_type -> transformers module).
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
-ENGINES = ("vllm", "sglang")
 
 
 class EagleError(ValueError):
@@ -585,64 +547,6 @@ class EagleDrafter(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         return position_ids
 
-    # ---- export --------------------------------------------------------------------------------------------------
-    def _bias_layout(self) -> tuple[bool, bool]:
-        """(attention_bias as engines read it, mlp_bias): engines give q/k/v/o one shared bias flag."""
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        attention_bias = any(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
-        return attention_bias, mlp.gate_proj.bias is not None
-
-    def export_tensors(self, engine: str = "vllm") -> dict[str, torch.Tensor]:
-        """The weights under the engines' names, with zero biases where the engine expects one we lack."""
-        attention_bias, mlp_bias = self._bias_layout()
-        tensors = {k: v.detach() for k, v in self.state_dict().items()}
-        layer = "layers.0."
-        if attention_bias:
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                key = f"{layer}self_attn.{name}.bias"
-                if key not in tensors:
-                    tensors[key] = torch.zeros(getattr(self.layer.self_attn, name).out_features, dtype=self.dtype)
-        if self.version == 1 and engine == "sglang" and "fc.bias" not in tensors:
-            tensors["fc.bias"] = torch.zeros(self.hidden_size, dtype=self.dtype)  # SGLang's EAGLE-1 fc has one
-        if engine == "sglang" and self.version == 3:
-            tensors = {("midlayer." + k[len(layer):] if k.startswith(layer) else k): v for k, v in tensors.items()}
-        return tensors
-
-    def hf_config(self, engine: str = "vllm") -> dict:
-        """The Llama-style config.json fields the engines read (without the draftheads block)."""
-        vc = self.layer_config
-        attention_bias, mlp_bias = self._bias_layout()
-        rope = dict(getattr(vc, "rope_parameters", None) or {})
-        rope_theta = rope.get("rope_theta", getattr(vc, "rope_theta", None))
-        rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        if rope_scaling.get("rope_type", "default") == "default":
-            rope_scaling = None
-        config = {
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.layer.mlp.gate_proj.out_features,
-            "num_hidden_layers": 1,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": vc.hidden_act,
-            "rms_norm_eps": vc.rms_norm_eps,
-            "max_position_embeddings": vc.max_position_embeddings,
-            "rope_theta": rope_theta,
-            "rope_scaling": rope_scaling,
-            "rope_parameters": rope or None,
-            "vocab_size": self.verifier_vocab_size,
-            "attention_bias": attention_bias,
-            "mlp_bias": mlp_bias,
-            "tie_word_embeddings": False,
-            "bos_token_id": getattr(vc, "bos_token_id", None),
-            "eos_token_id": getattr(vc, "eos_token_id", None),
-            "pad_token_id": getattr(vc, "pad_token_id", None),
-            "torch_dtype": str(self.dtype).removeprefix("torch."),
-            "dtype": str(self.dtype).removeprefix("torch."),
-        }
-        return config
-
 
 class Eagle1Drafter(EagleDrafter):
     """EAGLE-1: f'_t = Layer(fc([embed(x_{t+1}); f_t])), decoded by the verifier's lm_head."""
@@ -686,10 +590,6 @@ class Eagle1Drafter(EagleDrafter):
             counts = step_counts(correct[None], mask[None])
         return EagleOutput(loss=loss, step_losses=loss.detach()[None], counts=counts,
                            parts={"feature_loss": feature.detach(), "token_loss": token.detach()})
-
-    def hf_config(self, engine: str = "vllm") -> dict:
-        return {"architectures": ["LlamaForCausalLMEagle" if engine == "sglang" else "LlamaForCausalLM"],
-                **super().hf_config(engine), "bias": self.cfg.use_fc_bias or engine == "sglang"}
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -789,18 +689,6 @@ class Eagle3Drafter(EagleDrafter):
         loss = total if isinstance(total, torch.Tensor) else outs[0].sum() * 0
         return EagleOutput(loss=loss, step_losses=torch.stack(step_losses), counts=step_counts(correct, valid))
 
-    def hf_config(self, engine: str = "vllm") -> dict:
-        ids = list(self.layer_ids)
-        if engine == "sglang":
-            if min(ids) < 1:
-                raise EagleError(f"layer ids {ids}: SGLang names the features by the layer that *outputs* them "
-                                 "(our id - 1), so layer 0 (the embeddings) cannot be expressed")
-            ids = [i - 1 for i in ids]
-        return {"architectures": ["LlamaForCausalLMEagle3"], **super().hf_config(engine),
-                "draft_vocab_size": self.draft_vocab_size, "target_hidden_size": self.hidden_size, "bias": False,
-                "norm_before_residual": self.cfg.norm_before_residual,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}}
-
 
 def build_drafter(verifier, cfg: EagleConfig, token_counts: torch.Tensor | None = None,
                   dtype: torch.dtype | None = None) -> EagleDrafter:
@@ -839,81 +727,3 @@ class EagleTrainModule(nn.Module):
         if chain_steps is not None:
             return self.drafter.chain_counts(input_ids, features, loss_mask, chain_steps, position_ids)
         return self.drafter.training_loss(input_ids, features, loss_mask, position_ids)
-
-
-# ---- export / load -----------------------------------------------------------------------------------------------
-def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, verifier, training: dict | None = None,
-                 engine: Literal["vllm", "sglang"] = "vllm") -> Path:
-    """Write the drafter for an inference engine (atomically); the layout is in the module docstring."""
-    if engine not in ENGINES:
-        raise EagleError(f"engine={engine!r}: expected one of {ENGINES}")
-    method = f"eagle{drafter.version}"
-    meta = metadata_block(method, verifier, layer_ids=drafter.feature_layers, engine=engine,
-                          eagle=dataclasses.asdict(drafter.cfg), training=training or {})
-    config = {**drafter.hf_config(engine), "draftheads": meta}
-    return write_drafter(folder, config, drafter.export_tensors(engine))
-
-
-def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = True) -> EagleDrafter:
-    """Read a drafter written by `export_eagle` back exactly, for `verifier` (refused if it is another one)."""
-    from models.verifier import check_drafter_matches
-
-    folder = Path(folder)
-    config, tensors = read_drafter(folder, expect_method=("eagle1", "eagle3"))
-    where = str(folder / "config.json")
-    meta = read_metadata(config, where)
-    if not isinstance(meta.get("verifier"), dict) or not isinstance(meta.get("eagle"), dict):
-        raise DrafterFormatError(f"{where}: the draftheads block has no `verifier` / `eagle` section")
-    check_drafter_matches(meta["verifier"], verifier, folder, check_fingerprint=check_fingerprint)
-    engine = meta.get("engine", "vllm")
-    if engine not in ENGINES:
-        raise DrafterFormatError(f"{where}: draftheads.engine is {engine!r}, expected one of {ENGINES}")
-    try:
-        cfg = EagleConfig(**meta["eagle"])
-    except (TypeError, EagleError) as err:
-        raise DrafterFormatError(f"{where}: draftheads.eagle is not a valid EAGLE config ({err})") from None
-    if f"eagle{cfg.version}" != meta.get("method"):
-        raise DrafterFormatError(f"{where}: method {meta.get('method')!r} but eagle.version {cfg.version}")
-
-    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
-    if len(floats) != 1:
-        raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
-    dtype = floats.pop()
-    if cfg.version == 1:
-        drafter = Eagle1Drafter(verifier, cfg)
-    else:
-        for key, kind in (("d2t", torch.long), ("t2d", torch.bool)):
-            if key not in tensors or tensors[key].dtype != kind:
-                raise DrafterFormatError(f"{folder / 'model.safetensors'}: `{key}` missing or not {kind}")
-        if tensors["t2d"].numel() != verifier.vocab_size:
-            raise DrafterFormatError(f"{where}: t2d has {tensors['t2d'].numel()} entries, the verifier's vocab "
-                                     f"{verifier.vocab_size}")
-        try:
-            drafter = Eagle3Drafter(verifier, cfg, d2t=tensors["d2t"], t2d=tensors["t2d"])
-        except EagleError as err:
-            raise DrafterFormatError(f"{folder / 'model.safetensors'}: {err}") from None
-    drafter = drafter.to(dtype=dtype)
-
-    expected = drafter.export_tensors(engine)
-    require_keys(tensors, {k: tuple(v.shape) for k, v in expected.items()}, str(folder / "model.safetensors"))
-    for key, ref in expected.items():
-        if tensors[key].dtype != ref.dtype:
-            raise DrafterFormatError(f"{folder / 'model.safetensors'}: weight {key!r} is {tensors[key].dtype}, "
-                                     f"expected {ref.dtype}")
-    mine = drafter.hf_config(engine)
-    for key in ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "eagle_config"):
-        if key in mine and config.get(key) != mine[key]:
-            raise DrafterFormatError(f"{where}: {key} is {config.get(key)!r}; this verifier's drafter has {mine[key]!r}")
-
-    # Back to module names; placeholders the engines need but the drafter lacks must be zero.
-    state = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in tensors.items()}
-    own = drafter.state_dict()
-    for key in sorted(set(state) - set(own)):
-        if state[key].count_nonzero():
-            raise DrafterFormatError(f"{folder / 'model.safetensors'}: {key!r} is non-zero, but this drafter has no "
-                                     "such parameter (it is written as a zero placeholder for the engines)")
-        del state[key]
-    drafter.load_state_dict(state, strict=True)
-    return drafter.to(device=verifier.device)
-

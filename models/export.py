@@ -1,131 +1,217 @@
-"""Drafter folders on disk: `config.json` + `model.safetensors`, written atomically, read with clear errors.
+"""The one export / load entry point for drafter folders: the trainers write through it, the engine, the train/serve
+check and the scripts read through it.
 
-The method-specific layouts (which keys, which config fields vLLM and SGLang expect) live beside each drafter
-(`models/medusa.py`, `models/eagle.py`); this module owns what they share:
-  - the `draftheads` metadata block inside config.json (method, verifier name + fingerprint + shape, layer ids,
-    training summary, anything method-specific such as the Medusa tree);
-  - atomic writes (a temp folder renamed into place, so a crash never leaves half a drafter);
-  - reads that name the file and key when something is missing or corrupt.
+    save_medusa(folder, heads, verifier, tree=..., training_summary=...)     Medusa-1/2 (vLLM's layout)
+    heads, meta = load_medusa(folder, verifier)
+    verifier = load_medusa_verifier(folder, verifier)                        Medusa-2: the adapter merged in
+    export_eagle(drafter, folder, verifier, training=..., engine="vllm")    EAGLE-1/3, `engine` vllm | sglang
+    drafter = load_eagle(folder, verifier)
+
+A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
+layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and
+names each engine reads is in models/layouts/ (one module per flavour); this module picks the layout, adds the
+metadata, and on load rebuilds the drafter from the metadata, checks the file against what that drafter would
+write, and refuses a drafter trained for another verifier, naming the field.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import shutil
-import tempfile
 from pathlib import Path
+from typing import Literal, Sequence
 
 import torch
 
-METADATA_KEY = "draftheads"
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
+from models.eagle import EagleConfig, EagleDrafter, EagleError, Eagle1Drafter, Eagle3Drafter
+from models.layouts import eagle_sglang, eagle_vllm, medusa_vllm
+from models.layouts.folder import (CONFIG_NAME, WEIGHTS_NAME, DrafterFormatError, metadata_block, read_drafter,
+                                   read_metadata, require_keys, write_drafter)
+from models.medusa import MedusaHeads, as_rows, check_tree, lora_model
+from models.verifier import Verifier, VerifierError, check_drafter_matches
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "export_eagle", "load_eagle",
+           "load_medusa", "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa"]
+
+EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang)}
+ENGINES = tuple(EAGLE_LAYOUTS)
+MEDUSA = "medusa"
 
 
-class DrafterFormatError(ValueError):
-    """A drafter folder that is missing, corrupt or of the wrong kind; the message names the file or key."""
+# ---- Medusa --------------------------------------------------------------------------------------------------------
+def save_medusa(folder: str | os.PathLike, heads: MedusaHeads, verifier: Verifier,
+                tree: Sequence[Sequence[int]] | None = None, training_summary: dict | None = None,
+                rank_accuracy=None) -> Path:
+    """Export heads (and, when the verifier carries LoRA adapters, the adapter) as a vLLM-loadable drafter folder.
+
+    tree: the static tree (`build_medusa_tree`); rank_accuracy (K, R): what it was built from, kept so the
+    engine can rebuild a tree for another budget; training_summary: any JSON-able dict (steps, losses, accuracy).
+    Returns the folder.
+    """
+    if (heads.hidden_size, heads.vocab_size) != (verifier.hidden_size, verifier.vocab_size):
+        raise VerifierError(
+            f"heads are for hidden_size={heads.hidden_size}, vocab_size={heads.vocab_size}, but verifier "
+            f"{verifier.name!r} has hidden_size={verifier.hidden_size}, vocab_size={verifier.vocab_size}")
+    paths = check_tree(tree, heads.num_heads) if tree is not None else None
+    if rank_accuracy is not None:
+        rank_accuracy = as_rows(rank_accuracy)
+    adapter = lora_model(verifier)
+    config = {
+        **medusa_vllm.config(heads),
+        "draftheads": metadata_block(
+            MEDUSA, verifier,
+            num_heads=heads.num_heads, num_layers=heads.num_layers, bias=heads.bias,
+            adapter=medusa_vllm.ADAPTER_DIR if adapter is not None else None,
+            tree=[list(p) for p in paths] if paths is not None else None,
+            rank_accuracy=rank_accuracy,
+            training=training_summary or {},
+        ),
+    }
+    extra = medusa_vllm.adapter_files(adapter) if adapter is not None else None
+    return write_drafter(folder, config, medusa_vllm.tensors(heads), extra)
 
 
-def metadata_block(method: str, verifier, **extra) -> dict:
-    """The `draftheads` block: what produced this drafter and for which verifier."""
-    from models import __version__
+def load_medusa(folder: str | os.PathLike, verifier: Verifier | None = None,
+                device: str | torch.device | None = None) -> tuple[MedusaHeads, dict]:
+    """Read a drafter folder back: (heads, the `draftheads` metadata with `tree` as a list of tuples or None).
 
-    return {"method": method, "version": __version__, "verifier": verifier.describe(), **extra}
-
-
-def write_drafter(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
-                  extra_files: dict[str, bytes | str] | None = None) -> Path:
-    """Write config.json + model.safetensors (+ extra files) into `folder`, replacing it atomically."""
-    from safetensors.torch import save_file
-
+    Weights come back bit-exactly in their stored dtype (on `device`, else the verifier's, else CPU). With a
+    verifier, a drafter trained for another one (fingerprint, hidden size, layers, vocab) is refused by name.
+    """
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
-        with open(tmp / CONFIG_NAME, "w") as f:
-            json.dump(config, f, indent=2, sort_keys=False)
-            f.write("\n")
-        for name, content in (extra_files or {}).items():
-            target = tmp / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content.encode() if isinstance(content, str) else content)
-        _fsync_tree(tmp)
-        replace_dir(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move a finished folder into place: the old one (if any) is renamed away first, then deleted."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-
-
-def read_drafter(folder: str | os.PathLike, expect_method: str | tuple[str, ...] | None = None
-                 ) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Read a drafter folder: (config dict, tensors on CPU). Errors name the file and what was expected."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise DrafterFormatError(f"drafter folder {str(folder)!r} does not exist")
+    config, tensors = read_drafter(folder, expect_method=MEDUSA)
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise DrafterFormatError(f"drafter folder {str(folder)!r} has no {path.name}")
+    shape = medusa_vllm.check_config(config, config_path)
+    meta = read_metadata(config, config_path)
+    if verifier is not None:
+        check_drafter_matches(meta.get("verifier", {}), verifier, folder)
+        for key in ("hidden_size", "vocab_size"):
+            if config[key] != getattr(verifier, key):
+                raise VerifierError(f"drafter {str(folder)!r} has {key}={config[key]}, but verifier "
+                                    f"{verifier.name!r} has {key}={getattr(verifier, key)}")
+    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    heads = MedusaHeads(shape["hidden_size"], shape["vocab_size"], shape["num_heads"], shape["num_layers"],
+                        shape["bias"], dtype=dtype)
+    require_keys(tensors, {k: tuple(v.shape) for k, v in medusa_vllm.tensors(heads).items()}, str(weights_path))
+    heads.load_state_dict(tensors, strict=True)
+    target = device if device is not None else (verifier.device if verifier is not None else None)
+    if target is not None:
+        heads = heads.to(target)
+    meta = dict(meta)
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise DrafterFormatError(f"{config_path}: not valid JSON ({err})") from None
+        meta["tree"] = check_tree(meta["tree"], heads.num_heads) if meta.get("tree") is not None else None
+    except (ValueError, TypeError) as err:
+        raise DrafterFormatError(f"{config_path}: bad `draftheads.tree`: {err}") from None
+    return heads, meta
+
+
+def load_medusa_verifier(folder: str | os.PathLike, verifier: Verifier, merge: bool = True) -> Verifier:
+    """The verifier a Medusa drafter was trained with: for Medusa-2, `verifier` plus the stored LoRA adapter.
+
+    Modifies `verifier` in place and returns it: with merge=True the adapter is folded into the linear weights
+    (plain forward speed); with merge=False `verifier.model` becomes the peft model. The fingerprint stays the base
+    verifier's, the one the drafter records. A Medusa-1 drafter (no adapter) returns `verifier` unchanged.
+    """
+    from peft import PeftModel
+
+    folder = Path(folder)
+    config, _ = read_drafter(folder, expect_method=MEDUSA)
+    meta = read_metadata(config, folder / CONFIG_NAME)
+    check_drafter_matches(meta.get("verifier", {}), verifier, folder)
+    if not meta.get("adapter"):
+        return verifier
+    if lora_model(verifier) is not None:
+        raise VerifierError(f"verifier {verifier.name!r} already carries LoRA adapters; pass the base verifier")
+    adapter_dir = folder / meta["adapter"]
+    for name in medusa_vllm.ADAPTER_FILES:
+        if not (adapter_dir / name).is_file():
+            raise DrafterFormatError(f"drafter {str(folder)!r} is Medusa-2 but has no {meta['adapter']}/{name}")
     try:
-        tensors = load_file(str(weights_path))
-    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
-        raise DrafterFormatError(f"{weights_path}: corrupt or unreadable safetensors file ({err})") from None
-    if expect_method is not None:
-        method = read_metadata(config, config_path).get("method")
-        allowed = (expect_method,) if isinstance(expect_method, str) else expect_method
-        if method not in allowed:
-            raise DrafterFormatError(
-                f"{config_path}: drafter method is {method!r}, expected {' or '.join(map(repr, allowed))}")
-    return config, tensors
+        peft_model = PeftModel.from_pretrained(verifier.model, str(adapter_dir), is_trainable=False)
+    except Exception as err:  # wrong shapes or module names: say which folder
+        raise DrafterFormatError(f"{adapter_dir}: cannot load the LoRA adapter onto verifier {verifier.name!r} "
+                                 f"({type(err).__name__}: {err})") from None
+    verifier.model = peft_model.merge_and_unload() if merge else peft_model
+    verifier.model.eval().requires_grad_(False)
+    verifier.name = f"{verifier.name}+{meta['adapter']}"
+    return verifier
 
 
-def read_metadata(config: dict, where: str | os.PathLike = CONFIG_NAME) -> dict:
-    block = config.get(METADATA_KEY)
-    if not isinstance(block, dict):
-        raise DrafterFormatError(
-            f"{where}: no `{METADATA_KEY}` block; this folder was not written by draftheads (or was edited)")
-    return block
+# ---- EAGLE ---------------------------------------------------------------------------------------------------------
+def _eagle_layout(engine: str):
+    if engine not in EAGLE_LAYOUTS:
+        raise EagleError(f"engine={engine!r}: expected one of {ENGINES}")
+    return EAGLE_LAYOUTS[engine]
 
 
-def require_keys(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: str) -> None:
-    """Check a state dict has exactly the expected keys and shapes; names the first key that differs."""
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    if missing:
-        raise DrafterFormatError(f"{where}: missing weight {missing[0]!r} (and {len(missing) - 1} more)"
-                                 if len(missing) > 1 else f"{where}: missing weight {missing[0]!r}")
-    if unexpected:
-        raise DrafterFormatError(f"{where}: unexpected weight {unexpected[0]!r}")
-    for key, shape in expected.items():
-        if tuple(tensors[key].shape) != tuple(shape):
-            raise DrafterFormatError(
-                f"{where}: weight {key!r} has shape {tuple(tensors[key].shape)}, expected {tuple(shape)}")
+def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, verifier, training: dict | None = None,
+                 engine: Literal["vllm", "sglang"] = "vllm") -> Path:
+    """Write the drafter for an inference engine (atomically) in that engine's layout (models/layouts/)."""
+    layout = _eagle_layout(engine)
+    method = f"eagle{drafter.version}"
+    meta = metadata_block(method, verifier, layer_ids=drafter.feature_layers, engine=engine,
+                          eagle=dataclasses.asdict(drafter.cfg), training=training or {})
+    config = {**layout.config(drafter), "draftheads": meta}
+    return write_drafter(folder, config, layout.tensors(drafter))
+
+
+def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = True) -> EagleDrafter:
+    """Read a drafter written by `export_eagle` back exactly, for `verifier` (refused if it is another one)."""
+    folder = Path(folder)
+    config, tensors = read_drafter(folder, expect_method=("eagle1", "eagle3"))
+    where = str(folder / CONFIG_NAME)
+    weights = folder / WEIGHTS_NAME
+    meta = read_metadata(config, where)
+    if not isinstance(meta.get("verifier"), dict) or not isinstance(meta.get("eagle"), dict):
+        raise DrafterFormatError(f"{where}: the draftheads block has no `verifier` / `eagle` section")
+    check_drafter_matches(meta["verifier"], verifier, folder, check_fingerprint=check_fingerprint)
+    engine = meta.get("engine", "vllm")
+    if engine not in EAGLE_LAYOUTS:
+        raise DrafterFormatError(f"{where}: draftheads.engine is {engine!r}, expected one of {ENGINES}")
+    layout = EAGLE_LAYOUTS[engine]
+    try:
+        cfg = EagleConfig(**meta["eagle"])
+    except (TypeError, EagleError) as err:
+        raise DrafterFormatError(f"{where}: draftheads.eagle is not a valid EAGLE config ({err})") from None
+    if f"eagle{cfg.version}" != meta.get("method"):
+        raise DrafterFormatError(f"{where}: method {meta.get('method')!r} but eagle.version {cfg.version}")
+
+    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    if len(floats) != 1:
+        raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
+    dtype = floats.pop()
+    if cfg.version == 1:
+        drafter = Eagle1Drafter(verifier, cfg)
+    else:
+        for key, kind in (("d2t", torch.long), ("t2d", torch.bool)):
+            if key not in tensors or tensors[key].dtype != kind:
+                raise DrafterFormatError(f"{weights}: `{key}` missing or not {kind}")
+        if tensors["t2d"].numel() != verifier.vocab_size:
+            raise DrafterFormatError(f"{where}: t2d has {tensors['t2d'].numel()} entries, the verifier's vocab "
+                                     f"{verifier.vocab_size}")
+        try:
+            drafter = Eagle3Drafter(verifier, cfg, d2t=tensors["d2t"], t2d=tensors["t2d"])
+        except EagleError as err:
+            raise DrafterFormatError(f"{weights}: {err}") from None
+    drafter = drafter.to(dtype=dtype)
+
+    expected = layout.tensors(drafter)
+    require_keys(tensors, {k: tuple(v.shape) for k, v in expected.items()}, str(weights))
+    for key, ref in expected.items():
+        if tensors[key].dtype != ref.dtype:
+            raise DrafterFormatError(f"{weights}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
+    mine = layout.config(drafter)
+    for key in layout.CHECKED_FIELDS:
+        if key in mine and config.get(key) != mine[key]:
+            raise DrafterFormatError(f"{where}: {key} is {config.get(key)!r}; this verifier's drafter has {mine[key]!r}")
+
+    # Back to module names; placeholders the engines need but the drafter lacks must be zero.
+    state = layout.state_dict(tensors)
+    own = drafter.state_dict()
+    for key in sorted(set(state) - set(own)):
+        if state[key].count_nonzero():
+            raise DrafterFormatError(f"{weights}: {key!r} is non-zero, but this drafter has no such parameter (it is "
+                                     "written as a zero placeholder for the engines)")
+        del state[key]
+    drafter.load_state_dict(state, strict=True)
+    return drafter.to(device=verifier.device)

@@ -45,8 +45,11 @@ if __name__ == "__main__":
 import torch
 import torch.nn.functional as F
 
+from models.atomic import atomic_dir
+from models.schedule import warmup_cosine
+
 #: Bumped whenever the build code changes what a recipe produces; part of the recorded recipe hash.
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: the learning rate comes from models/schedule.py (the trainers' warm-up formula)
 BUILD_INFO = "draftheads_build.json"
 
 EOS = "<|endoftext|>"
@@ -226,12 +229,9 @@ def _autocast_dtype(recipe: Recipe) -> torch.dtype | None:
 
 
 def learning_rate(step: int, recipe: Recipe) -> float:
-    """Linear warmup to `lr` over warmup_steps, then cosine down to lr * min_lr_ratio at the last step."""
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - 1 - recipe.warmup_steps)
-    floor = recipe.lr * recipe.min_lr_ratio
-    return floor + 0.5 * (recipe.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+    """The learning rate at `step`: the project's one warm-up + cosine schedule (models/schedule.py), peak `lr`,
+    reaching the floor lr * min_lr_ratio at step `steps`."""
+    return recipe.lr * warmup_cosine(step, recipe.warmup_steps, recipe.steps, recipe.min_lr_ratio)
 
 
 # ---- tokenizer --------------------------------------------------------------------------------------------------------
@@ -424,7 +424,7 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
     load_before = _load_average()
     curve: list[tuple[int, float]] = []  # (step, mean loss over the last log interval)
     for step, batch in enumerate(training_batches(stream, recipe.seq_len, recipe.batch_size, recipe.steps, seed)):
-        scale = learning_rate(step, recipe) / recipe.lr
+        scale = warmup_cosine(step, recipe.warmup_steps, recipe.steps, recipe.min_lr_ratio)
         for opt in opts:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
@@ -479,9 +479,6 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
     if out.exists() and any(out.iterdir()) and not (out / BUILD_INFO).is_file():
         raise FileExistsError(f"--out {str(out)!r} is a non-empty folder that is not a tiny verifier build; "
                               "pick an empty or new folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     begin = time.perf_counter()
 
     with _deterministic_torch(_cpu_count()):
@@ -522,15 +519,11 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
         "versions": {"torch": torch.__version__, "transformers": _version("transformers"),
                      "tokenizers": _version("tokenizers")},
     }
-    try:
+    with atomic_dir(out) as tmp:  # an older build there is replaced in one rename
         with _transformers_bars_off():
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n")  # written last: marks a finished build
-        _replace_folder(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -552,17 +545,6 @@ def _version(package: str) -> str:
     from importlib.metadata import version
 
     return version(package)
-
-
-def _replace_folder(tmp: Path, out: Path) -> None:
-    """Move a finished build into place; an older build there is moved aside first, then deleted."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_build_info(folder: str | Path) -> dict | None:

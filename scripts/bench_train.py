@@ -55,7 +55,7 @@ Step = Callable[[dict], None]
 def medusa_step(cfg, verifier, batches: list[dict]) -> Step:
     """One Medusa optimizer step: train/medusa.py's features, objective, clipping and AdamW (Medusa-1 or -2)."""
     from models.medusa import MedusaHeads, MedusaJoint, add_lora_from_config
-    from train.loop import build_optimizer
+    from train.optim import build_optimizer
     from train.medusa import HeadsObjective, JointObjective, batch_features
 
     heads = MedusaHeads.from_config(cfg.medusa, verifier)
@@ -91,7 +91,7 @@ def eagle_step(version: int) -> Callable:
     def build(cfg, verifier, batches: list[dict]) -> Step:
         from models.eagle import EagleTrainModule, build_drafter, count_tokens
         from train.features import feature_source
-        from train.loop import build_optimizer
+        from train.optim import build_optimizer
 
         counts = None
         if version == 3:
@@ -222,7 +222,7 @@ def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int
 
 
 def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]:
-    from train.loop import get_dataloaders
+    from train.loaders import get_dataloaders
 
     train_dl, _ = get_dataloaders(cfg, tokenizer)
     batches = []
@@ -238,7 +238,7 @@ def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]
 def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches: int = 4,
         device: str | None = None, out: str | None = None, flops: bool = False) -> dict:
     from train.config import parse_config
-    from train.loop import load_verifier
+    from train.placement import load_verifier
 
     spec = METHODS[method]
     module, _, name = spec.config_class.partition(":")

@@ -68,9 +68,9 @@ def step0_accuracy(drafters: dict, verifier, batches) -> dict[str, dict[str, flo
 
 def load_any(folder: Path, verifier):
     """An exported drafter folder of any method, read back for `verifier`: (label, module)."""
-    from models.eagle import load_eagle
+    from models.export import load_eagle
     from models.export import read_metadata
-    from models.medusa import load_medusa
+    from models.export import load_medusa
 
     config = json.loads((folder / "config.json").read_text())
     method = read_metadata(config, str(folder / "config.json")).get("method")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -58,6 +57,7 @@ def train_draft_model(verifier: str, out: str | Path, layers: int = 1, steps: in
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
+    from models.schedule import warmup_cosine_schedule
     from models.verifier import Verifier
 
     torch.manual_seed(seed)
@@ -66,8 +66,7 @@ def train_draft_model(verifier: str, out: str | Path, layers: int = 1, steps: in
     windows = stdlib_windows(tokenizer, seq_len)
     student = truncated_copy(teacher.model, layers).train().requires_grad_(True)
     optimizer = torch.optim.AdamW(student.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps))))
+    schedule = warmup_cosine_schedule(optimizer, warmup=min(20, steps // 10), total=steps, floor=0.1)
     order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(seed))
     started = time.perf_counter()
     losses = []

@@ -4,9 +4,9 @@
 
 Every rank runs the same checks with the same data; rank r writes OUT_DIR/rank{r}.json ({check: value}) and the
 test asserts on them. Everything sharded here is sharded by plain torch FSDP2 (`fully_shard`), because Accelerate
-refuses FSDP without GPUs: `train.loop.fully_shard_verifier` (what `shard_verifier` calls under an FSDP launch
+refuses FSDP without GPUs: `train.placement.fully_shard_verifier` (what `shard_verifier` calls under an FSDP launch
 config) and, for the drafter, `fully_shard` on the module a trainer prepares, as Accelerate's FSDP2 with
-`NO_WRAP` does. The Accelerator is a real one (gloo, MULTI_CPU); `train.loop.unsharded` decides by the DTensor
+`NO_WRAP` does. The Accelerator is a real one (gloo, MULTI_CPU); `train.placement.unsharded` decides by the DTensor
 parameters, not by the launch config, so it takes the same path here as under `accelerate launch` with fsdp.yaml.
 """
 
@@ -24,13 +24,14 @@ from accelerate import Accelerator  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from models.eagle import EagleConfig, EagleTrainModule, build_drafter, export_eagle  # noqa: E402
+from models.eagle import EagleConfig, EagleTrainModule, build_drafter  # noqa: E402
+from models.export import export_eagle
 from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
 from models.verifier import Verifier  # noqa: E402
 from train.config import RunConfig  # noqa: E402
 from eval.consistency import check_export  # noqa: E402
 from train.export_check import check_exported_drafter, heldout_prompts  # noqa: E402
-from train.loop import fully_shard_verifier, is_sharded, unsharded  # noqa: E402
+from train.placement import fully_shard_verifier, is_sharded, unsharded  # noqa: E402
 from train.medusa import HeadsObjective  # noqa: E402
 
 STEPS, B, T = 3, 2, 24

@@ -24,7 +24,9 @@ from tests.utils import save_tiny_verifier_with_tokenizer
 from train.checkpoint import complete_checkpoints
 from train.config import ConfigError, RunConfig, WandbConfig, parse_config
 from train.eagle import EagleRunConfig, main as eagle_main
-from train.loop import NonFiniteLossError, build_accelerator, load_verifier
+from train.loop import NonFiniteLossError
+from train.tracking import build_accelerator
+from train.placement import load_verifier
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -121,7 +123,8 @@ def test_verifier_with_corrupt_safetensors(tmp_path, verifier_dir):
 
 
 def test_drafter_with_corrupt_safetensors(tmp_path, verifier_dir):
-    from models.eagle import EagleConfig, build_drafter, export_eagle, load_eagle
+    from models.eagle import EagleConfig, build_drafter
+    from models.export import export_eagle, load_eagle
 
     verifier = Verifier.from_pretrained(verifier_dir)
     folder = export_eagle(build_drafter(verifier, EagleConfig(version=1)), tmp_path / "drafter", verifier)

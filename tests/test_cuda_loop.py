@@ -199,7 +199,7 @@ def test_fused_step_has_no_hidden_sync_cuda(cuda_setup, method, temperature):
 
 @pytest.mark.parametrize("version", [1, 3])
 def test_public_fused_option_runs_eagle_and_medusa_like_the_unfused_loop(setup, version):
-    """`SpeculativeDecoder(..., fused=True)` routes generate through the fused loop (graphs off on the CPU)."""
+    """`FusedDecoder(SpeculativeDecoder(...))` runs generate through the fused loop (graphs off on the CPU)."""
     from models.medusa import MedusaHeads
     from tests.utils import fit_eagle, greedy_corpus
 
@@ -213,7 +213,7 @@ def test_public_fused_option_runs_eagle_and_medusa_like_the_unfused_loop(setup, 
     }
     for name, build in drafters.items():
         plain = SpeculativeDecoder(verifier, build(), name)
-        fused = SpeculativeDecoder(verifier, build(), name, fused=True)
+        fused = FusedDecoder(SpeculativeDecoder(verifier, build(), name))
         want = plain.generate(PROMPTS, MAX_NEW)
         got = fused.generate(PROMPTS, MAX_NEW)
         assert got.output_ids == want.output_ids == [refs[tuple(p)] for p in PROMPTS]

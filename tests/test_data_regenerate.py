@@ -6,7 +6,7 @@ from collections import Counter
 import pytest
 
 from data.config import DataError
-from data.regenerate import load_for_generation, main, regenerate
+from eval.regenerate import load_for_generation, main, regenerate
 from data.sources import load_source
 from tests.chat_tokenizers import chatml_tokenizer
 from tests.test_data_chat import CONVERSATION

@@ -12,7 +12,7 @@ import torch
 from eval import SpeculativeDecoder
 from eval.decoder import make_drafter
 from eval.protocol import Sampling
-from models.eagle import export_eagle
+from models.export import export_eagle
 from models.verifier import Verifier
 from tests.utils import FAMILIES, chi2_pvalue, fit_eagle, greedy_corpus, hf_greedy, peaked_model, tiny_model
 
@@ -175,8 +175,8 @@ def test_drafter_cache_after_rejections_equals_a_fresh_forward(exported, version
     with torch.inference_mode():
         state = dec.begin(prompts, 20, sampling)
         for _ in range(6):
-            _, acc, _ = dec.step(state, sampling)
-            rejected += int((acc.num_accepted < drafter.max_depth).sum())
+            rows = dec.step(state, sampling)  # per row: [accepted, root, accepted tokens..., next token]
+            rejected += sum(row[0] < drafter.max_depth for row in rows)
             for b in range(len(prompts)):
                 L = state.lengths_host[b]
                 ids = state.tokens[b, : L + 1]

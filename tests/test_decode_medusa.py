@@ -14,7 +14,8 @@ from eval import SpeculativeDecoder
 from eval.acceptance import probs_from_logits, typical_threshold, typical_tree
 from eval.decoder import make_drafter
 from eval.tree import Tree
-from models.medusa import MedusaHeads, add_lora, save_medusa
+from models.medusa import MedusaHeads, add_lora
+from models.export import save_medusa
 from models.verifier import Verifier
 from tests.utils import FAMILIES, chi2_pvalue, hf_greedy, peaked_model, save_tiny_verifier, tiny_model
 

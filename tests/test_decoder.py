@@ -127,13 +127,13 @@ def test_kv_rollback(shape):
     with torch.inference_mode():
         state = dec.begin([prompt], 6, sampling)
         assert state.lengths_host == [9]  # the prompt's last token is the first root
-        _, acc, _ = dec.step(state, sampling)
-        assert acc.num_accepted.tolist() == [2] and acc.next_token.tolist() == [g[2]]
+        rows = dec.step(state, sampling)  # per row: [accepted, root, accepted tokens..., next token]
+        assert [r[0] for r in rows] == [2] and [r[-1] for r in rows] == [g[2]]
         assert state.lengths_host == [10 + 2]
         assert state.tokens[0, :13].tolist() == prompt + g[:3]  # committed + the corrected root
         assert_cache_holds(dec, model, prompt + g[:2])
-        _, acc, _ = dec.step(state, sampling)  # all rejected: one token, the root g2 enters the cache
-        assert acc.num_accepted.tolist() == [0] and acc.next_token.tolist() == [g[3]]
+        rows = dec.step(state, sampling)  # all rejected: one token, the root g2 enters the cache
+        assert [r[0] for r in rows] == [0] and [r[-1] for r in rows] == [g[3]]
         assert state.lengths_host == [13]
         assert_cache_holds(dec, model, prompt + g[:3])
 

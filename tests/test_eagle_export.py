@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from models.eagle import EagleConfig, build_drafter, export_eagle, load_eagle
+from models.eagle import EagleConfig, build_drafter
+from models.export import export_eagle, load_eagle
 from models.export import DrafterFormatError
 from models.verifier import Verifier, VerifierError
 from tests.utils import FAMILIES, save_tiny_verifier

@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.consistency import ConsistencyError, check_export, prompts_from_rows
-from models.eagle import export_eagle
-from models.medusa import MedusaHeads, add_lora, save_medusa
+from models.export import export_eagle
+from models.medusa import MedusaHeads, add_lora
+from models.export import save_medusa
 from models.verifier import Verifier
 from tests.utils import fit_eagle, greedy_corpus, peaked_model
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from eval.decoder import DecodeStats
+from eval.generation import DecodeStats
 from eval.metrics import (MethodRun, Sample, accepted_length_histogram, acceptance_rate, efficiency,
                           per_position_acceptance, speedup, summarize, tau, tokens_per_s, verifier_calls)
 

@@ -2,9 +2,9 @@
 sharded drafter. The checks run in tests/fsdp_worker.py (one process per rank); this test launches it and reads what
 each rank measured.
 
-What this covers without GPUs: `train.loop.fully_shard_verifier` (decoder layers sharded with FSDP2, embedding /
+What this covers without GPUs: `train.placement.fully_shard_verifier` (decoder layers sharded with FSDP2, embedding /
 norm / lm_head whole), that features and logits are unchanged by it, that Medusa heads and an EAGLE-3 drafter
-trained on it end with the same weights as on the whole verifier, that `train.loop.unsharded` gathers an FSDP2-sharded
+trained on it end with the same weights as on the whole verifier, that `train.placement.unsharded` gathers an FSDP2-sharded
 drafter into a complete copy whose export equals the export of the same training without sharding, and that the
 train/serve check runs on every process against a sharded verifier. Not covered (Accelerate refuses FSDP on the
 CPU): `accelerate launch --config_file configs/accelerate/fsdp.yaml` itself, i.e. Accelerate's own wrapping and its

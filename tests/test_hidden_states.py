@@ -1,4 +1,4 @@
-"""The offline hidden-state cache (data/hidden_states.py) on a random tiny verifier: offline training equals online
+"""The offline hidden-state cache (data/hidden_states.py, written by train/dump_features.py) on a random tiny verifier: offline training equals online
 training step for step (Medusa and EAGLE-3), restart skips finished shards, and every broken cache is refused with
 one clear error naming the file."""
 
@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from data.hidden_states import (CacheError, bytes_per_token, cached_datasets, dump, main as cli, read_index,
-                                verify_shards)
+from data.hidden_states import CacheError, bytes_per_token, cached_datasets, main as cache_cli, read_index, verify_shards
 from models.verifier import Verifier
 from tests.utils import save_tiny_verifier_with_tokenizer
 from train.config import ConfigError, parse_config
+from train.dump_features import dump, main as cli
 from train.features import feature_source
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,7 +194,7 @@ def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CacheError, match=r"train-00000\.safetensors: sha256 differs"):
         verify_shards(cache, read_index(cache), check_hash=True)
-    assert cli(["verify", str(cache)]) == 2
+    assert cache_cli(["verify", str(cache)]) == 2
     # Truncated: the size check on every training start sees it.
     shard.write_bytes(bytes(data[:-100]))
     with pytest.raises(CacheError, match=r"train-00000\.safetensors: \d+ bytes, index\.json records"):
@@ -231,7 +231,7 @@ def test_cli_dump_and_verify(verifier_dir, text_rows, tmp_path, capsys):
     assert cli(["dump", *args, "--out", str(tmp_path / "cache"), "--rows_per_shard=4"]) == 0
     out = capsys.readouterr().out
     assert "estimated" in out and "on disk" in out
-    assert cli(["verify", str(tmp_path / "cache")]) == 0
+    assert cache_cli(["verify", str(tmp_path / "cache")]) == 0
     assert cli(["dump", *args, "--method", "eagle3", "--out", str(tmp_path / "c2")]) == 2  # an EAGLE config needed
     assert "medusa" in capsys.readouterr().err  # the EAGLE config class has no medusa section
 
@@ -247,7 +247,7 @@ def test_two_processes_split_the_shards(verifier_dir, text_rows, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "ACCELERATE_USE_CPU": "true",
            "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run([str(torchrun), "--nproc_per_node=2", "-m", "data.hidden_states", *args,
+    result = subprocess.run([str(torchrun), "--nproc_per_node=2", "-m", "train.dump_features", *args,
                              "--out", str(tmp_path / "two")], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

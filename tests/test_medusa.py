@@ -7,17 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.medusa import (
-    MedusaConfig,
-    MedusaHeads,
-    build_medusa_tree,
-    check_tree,
-    expected_accepted_length,
-    head_accuracy,
-    head_rank_hits,
-    medusa_loss,
-    topk_from_hits,
-)
+from models.medusa import MedusaConfig, MedusaHeads, build_medusa_tree, check_tree, expected_accepted_length
+from tests.medusa_reference import head_accuracy, head_rank_hits, medusa_loss, topk_from_hits
 from models.verifier import Verifier
 from tests.utils import FAMILIES
 

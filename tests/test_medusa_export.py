@@ -7,17 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from models.export import DrafterFormatError
-from models.medusa import (
-    MedusaHeads,
-    MedusaJoint,
-    add_lora,
-    build_medusa_tree,
-    load_medusa,
-    load_medusa_verifier,
-    lora_model,
-    medusa2_loss,
-    save_medusa,
-)
+from models.medusa import MedusaHeads, MedusaJoint, add_lora, build_medusa_tree, lora_model
+from models.export import load_medusa, load_medusa_verifier, save_medusa
+from tests.medusa_reference import medusa2_loss
 from models.verifier import Verifier, VerifierError
 from tests.utils import FAMILIES, save_tiny_verifier
 

@@ -38,7 +38,7 @@ def test_accelerate_configs_load(path):
     assert config.distributed_type == expected
     if expected == DistributedType.FSDP:
         assert config.fsdp_config["fsdp_state_dict_type"] == "FULL_STATE_DICT"
-        assert config.fsdp_config["fsdp_version"] == 2  # DTensor shards: what train.loop.unsharded gathers
+        assert config.fsdp_config["fsdp_version"] == 2  # DTensor shards: what train.placement.unsharded gathers
     if path.stem == "deepspeed_zero3":  # accelerator.get_state_dict (the export) needs the gathered weights
         assert config.deepspeed_config["zero3_save_16bit_model"] is True
     if expected == DistributedType.DEEPSPEED:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from models.eagle import EagleConfig, build_drafter
-from models.medusa import MedusaHeads, head_accuracy
+from models.medusa import MedusaHeads
+from tests.medusa_reference import head_accuracy
 from models.verifier import Verifier
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "step0_accuracy.py"

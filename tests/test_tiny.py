@@ -39,9 +39,10 @@ def looks_like_python(text: str) -> bool:
 def test_learning_rate_warms_up_then_decays_to_the_floor():
     r = tiny.get_recipe("micro")
     lrs = [tiny.learning_rate(s, r) for s in range(r.steps)]
-    assert lrs[0] == pytest.approx(r.lr / r.warmup_steps)
+    assert lrs[0] == pytest.approx(r.lr / (r.warmup_steps + 1))  # models/schedule.py's one warm-up formula
     assert max(lrs) == pytest.approx(r.lr)
-    assert lrs[-1] == pytest.approx(r.lr * r.min_lr_ratio)
+    assert tiny.learning_rate(r.steps, r) == pytest.approx(r.lr * r.min_lr_ratio)  # the floor, right after the end
+    assert r.lr * r.min_lr_ratio < lrs[-1] < lrs[r.warmup_steps + 1]
     assert all(a <= b for a, b in zip(lrs[:r.warmup_steps], lrs[1:r.warmup_steps]))
     assert all(a >= b for a, b in zip(lrs[r.warmup_steps:], lrs[r.warmup_steps + 1:]))
 

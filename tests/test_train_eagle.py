@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.eagle import count_tokens, load_eagle, select_draft_vocab
+from models.eagle import count_tokens, select_draft_vocab
+from models.export import load_eagle
 from models.verifier import Verifier
 from train.checkpoint import complete_checkpoints
 from train.config import ConfigError, parse_config
@@ -281,7 +282,7 @@ BROKEN_EXPORT_LAUNCHER = """
 import sys
 import train.eagle
 from tests.test_train_eagle import reverse_fc_blocks
-from train.config import main_guard
+from train.cli import main_guard
 
 export_eagle = train.eagle.export_eagle
 

@@ -9,8 +9,10 @@ from torch import nn
 
 from train.checkpoint import complete_checkpoints
 from train.config import RunConfig, TrainConfig, WandbConfig
-from train.loop import (NonFiniteLossError, TrainLoop, build_accelerator, build_optimizer, cosine_schedule,
-                        make_dataloaders)
+from train.loop import NonFiniteLossError, TrainLoop
+from train.tracking import build_accelerator
+from train.optim import build_optimizer, cosine_schedule
+from train.loaders import make_dataloaders
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")

@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from models.medusa import load_medusa, load_medusa_verifier
+from models.export import load_medusa, load_medusa_verifier
 from models.verifier import Verifier
 from tests.utils import save_tiny_verifier_with_tokenizer
 from train.config import ConfigError, parse_config

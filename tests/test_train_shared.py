@@ -7,7 +7,8 @@ from torch import nn
 from models.verifier import Verifier
 from train.config import RunConfig, WandbConfig
 from train.features import batch_tokens, feature_source, online_features
-from train.loop import build_accelerator, heldout_sums
+from train.tracking import build_accelerator
+from train.heldout import heldout_sums
 from tests.utils import reset_accelerate
 
 
@@ -33,7 +34,7 @@ def test_offline_features_without_a_cache_are_refused_clearly(llama_dir, tmp_pat
     from data.hidden_states import CacheError
 
     cfg = RunConfig(features="offline", feature_cache=str(tmp_path))
-    with pytest.raises(CacheError, match=r"index\.json: no such file.*data\.hidden_states dump"):
+    with pytest.raises(CacheError, match=r"index\.json: no such file.*train\.dump_features"):
         feature_source(cfg, Verifier.from_pretrained(llama_dir))
 
 
@@ -59,7 +60,9 @@ def test_resume_restores_the_random_stream_a_training_step_draws_from(tmp_path):
     """A step that draws noise (EAGLE-1 features, LoRA dropout) resumes exactly: starting a data-loader iterator
     must not consume the global RNG, or the resumed run's noise is shifted by one draw."""
     from train.config import TrainConfig
-    from train.loop import TrainLoop, build_optimizer, cosine_schedule, make_dataloaders
+    from train.loop import TrainLoop
+    from train.optim import build_optimizer, cosine_schedule
+    from train.loaders import make_dataloaders
 
     class Crash(Exception):
         pass

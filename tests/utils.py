@@ -44,7 +44,7 @@ def save_tiny_verifier(folder: str | Path, family: str = "llama", seed: int = 0,
 def save_tiny_verifier_with_tokenizer(folder: str | Path, family: str = "llama", seed: int = 0,
                                       **overrides) -> Path:
     """A random tiny verifier and a small byte-level BPE tokenizer (tests/chat_tokenizers.py) in one folder, so
-    `train.loop.load_verifier` (and any trainer) can use it as `verifier: <folder>`."""
+    `train.placement.load_verifier` (and any trainer) can use it as `verifier: <folder>`."""
     from tests.chat_tokenizers import plain_tokenizer
 
     tokenizer = plain_tokenizer()

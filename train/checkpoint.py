@@ -17,6 +17,8 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from models.atomic import fsync_tree, replace_dir
+
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
 STATE_FILE = "train_state.json"
@@ -79,15 +81,12 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, state: TrainStat
     accelerator.wait_for_everyone()  # every rank's RNG file is on disk before the rename
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _crash_hook(state.step, "before_marker")
         (tmp / MARKER).write_text("ok\n")
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         _crash_hook(state.step, "before_rename")
-        if final.exists():  # re-saving the same step (e.g. final save right after a periodic one)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        replace_dir(tmp, final)  # an existing one (the same step saved again) is swapped out, never half-replaced
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
@@ -109,19 +108,3 @@ def _crash_hook(step: int, point: str) -> None:
     checkpoint of `step`, so a test can land inside a checkpoint write deterministically."""
     if os.environ.get(CRASH_HOOK) == f"{step}:{point}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fsync_tree(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-    _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

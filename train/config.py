@@ -19,6 +19,7 @@ from typing import Literal, TypeVar
 import yaml
 
 from data.config import DataConfig
+from models.atomic import write_text
 
 
 class ConfigError(ValueError):
@@ -217,37 +218,4 @@ def save_config(cfg, folder: str | os.PathLike) -> Path:
     """Write the resolved config to `folder/config.yaml` (atomically), so a run folder says how it was made."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "config.yaml"
-    tmp = path.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(config_dict(cfg), sort_keys=False))
-    os.replace(tmp, path)
-    return path
-
-
-def main_guard(fn, cls: type[C], argv: list[str] | None = None):
-    """Run `fn(cfg)` after parsing. A ConfigError prints one line and exits 2, like argparse does; a bad input found
-    during the run (the project's own errors, which name the file / row / key to fix) prints one line and exits 1."""
-    try:
-        cfg = parse_config(cls, argv, prog=Path(sys.argv[0]).name)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    try:
-        return fn(cfg)
-    except ConfigError as err:  # found once the run started (e.g. an option this machine cannot honour)
-        print(f"config error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except _user_errors() as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors whose message is the whole story (no traceback helps the user)."""
-    from data.config import DataError
-    from models.eagle import EagleError
-    from models.export import DrafterFormatError
-    from models.verifier import VerifierError
-    from train.loop import NonFiniteLossError
-
-    return DataError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError
+    return write_text(folder / "config.yaml", yaml.safe_dump(config_dict(cfg), sort_keys=False))

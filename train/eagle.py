@@ -39,15 +39,19 @@ if __package__ in (None, ""):  # run as a file (`accelerate launch train/eagle.p
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from data.progress import quiet
-from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens, export_eagle
-from train.config import RunConfig, main_guard
+from models.dtypes import to_dtype
+from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens
+from models.export import export_eagle
+from train.cli import main_guard
+from train.config import RunConfig
 from train.export_check import finish_run
 from train.features import batch_tokens, feature_source
-from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, heldout_sums,
-                        load_verifier, log_table, unsharded)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
+from train.heldout import heldout_sums
+from train.loaders import get_dataloaders
+from train.loop import TrainLoop
+from train.optim import build_optimizer, cosine_schedule
+from train.placement import load_verifier, unsharded
+from train.tracking import build_accelerator, log_table
 
 @dataclass
 class EagleRunConfig(RunConfig):
@@ -86,7 +90,7 @@ def main(cfg: EagleRunConfig) -> dict:
     accelerator = build_accelerator(cfg)
     say = (lambda message: None) if quiet() else accelerator.print
 
-    # FSDP: the verifier's decoder layers sharded over the processes (train.loop.shard_verifier); otherwise whole.
+    # FSDP: the verifier's decoder layers sharded over the processes (train.placement.shard_verifier); otherwise whole.
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
@@ -166,7 +170,7 @@ def main(cfg: EagleRunConfig) -> dict:
         summary["draft_vocab_coverage"] = coverage
     # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
     full = unsharded(accelerator, model, lambda: EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts)))
-    drafter = full.drafter.to(DTYPES[cfg.export_dtype]) if full is not None else None  # training is over
+    drafter = full.drafter.to(to_dtype(cfg.export_dtype)) if full is not None else None  # training is over
     if accelerator.is_main_process:
         folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
         say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")

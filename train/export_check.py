@@ -62,9 +62,9 @@ def check_exported_drafter(accelerator, cfg: RunConfig, drafter, verifier, heldo
     check = cfg.consistency
     if not check.enabled:
         return None
-    from train.loop import is_sharded
+    from train.placement import is_sharded
 
-    # A verifier sharded by FSDP (train.loop.shard_verifier) runs only collectively: then every process decodes the
+    # A verifier sharded by FSDP (train.placement.shard_verifier) runs only collectively: then every process decodes the
     # same prompts in lockstep (greedy, so identically) with its own whole copy of the drafter.
     everywhere = is_sharded(verifier)
     if everywhere:

@@ -39,7 +39,7 @@ def online_features(verifier, layer_ids: list[int] | tuple[int, ...] = (), retur
 def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = (), return_logits: bool = False
                      ) -> FeatureSource:
     """A source that reads each batch's features from the hidden-state cache (`data.hidden_states`): batches come
-    from its loader (`train.loop.get_dataloaders` with features=offline) with `final` (B, T, H) and `layers`
+    from its loader (`train.loaders.get_dataloaders` with features=offline) with `final` (B, T, H) and `layers`
     (B, L, T, H) attached. The verifier is never run: only its lm_head, for the logits, which are lm_head(final)."""
     from data.hidden_states import check_verifier, read_index
 

@@ -36,14 +36,20 @@ from torch import nn
 if __package__ in (None, ""):  # run as a file (`accelerate launch train/medusa.py`) from a checkout: find the packages
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from models.export import save_medusa
 from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config, build_medusa_tree,
-                           expected_accepted_length, medusa2_losses, medusa_head_losses, save_medusa)
+                           expected_accepted_length, medusa2_losses, medusa_head_losses)
 from models.verifier import Verifier, VerifierFeatures
-from train.config import ConfigError, RunConfig, main_guard
+from train.cli import main_guard
+from train.config import ConfigError, RunConfig
 from train.export_check import finish_run
 from train.features import FeatureSource, feature_source, online_features
-from train.loop import (TrainLoop, build_accelerator, build_optimizer, cosine_schedule, get_dataloaders, load_verifier,
-                        log_table, sharded_weights, unsharded)
+from train.heldout import heldout_sums
+from train.loaders import get_dataloaders
+from train.loop import TrainLoop
+from train.optim import build_optimizer, cosine_schedule
+from train.placement import load_verifier, sharded_weights, unsharded
+from train.tracking import build_accelerator, log_table
 
 
 @dataclass
@@ -149,34 +155,23 @@ class HeldOut:
         return self.hits / self.counts.clamp(min=1)[:, None]  # (K, R)
 
 
-@torch.no_grad()
 def evaluate(accelerator, model, features, eval_dl, cfg: MedusaRunConfig, max_batches: int = 0,
              max_rank: int = 5) -> HeldOut | None:
-    """Run the held-out batches (all of them when max_batches is 0); None when there are none."""
-    model.eval()
-    K = cfg.medusa.num_heads
-    device = accelerator.device
-    loss_sum, counts = torch.zeros(K, device=device), torch.zeros(K, device=device)
-    hits = torch.zeros(K, max_rank, device=device)
-    part_sums: dict[str, torch.Tensor] = {}
-    batches = 0
-    for batch in eval_dl:
-        if max_batches and batches >= max_batches:
-            break
+    """Run the held-out batches (all of them when max_batches is 0) through `train.heldout.heldout_sums`; None when
+    there are none."""
+
+    def measure(batch: dict) -> dict[str, torch.Tensor]:
         _, parts, head = model(batch_features(features, batch, cfg), batch, max_rank=max_rank)
-        loss_sum += head.per_head * head.counts  # per_head is a mean over this batch's positions
-        counts += head.counts
-        hits += head.hits
-        for key, value in parts.items():
-            part_sums[key] = part_sums.get(key, 0) + value
-        batches += 1
-    model.train()
-    batches = accelerator.reduce(torch.tensor(float(batches), device=device), reduction="sum")
-    if batches.item() == 0:
+        # per_head is a mean over this batch's positions: times the counts, it sums over batches
+        return {"loss_sum": head.per_head * head.counts, "counts": head.counts, "hits": head.hits,
+                **{f"part/{k}": v for k, v in parts.items()}}
+
+    sums = heldout_sums(accelerator, model, eval_dl, max_batches, measure)
+    if not sums:
         return None
-    loss_sum, counts, hits = (accelerator.reduce(t, reduction="sum") for t in (loss_sum, counts, hits))
-    parts = {k: accelerator.reduce(v, reduction="sum") / batches for k, v in part_sums.items()}
-    return HeldOut(loss=loss_sum / counts.clamp(min=1), hits=hits, counts=counts, parts=parts)
+    batches, counts = sums["batches"], sums["counts"]
+    parts = {k.removeprefix("part/"): v / batches for k, v in sums.items() if k.startswith("part/")}
+    return HeldOut(loss=sums["loss_sum"] / counts.clamp(min=1), hits=sums["hits"], counts=counts, parts=parts)
 
 
 def eval_metrics(result: HeldOut, decay: float) -> dict[str, float]:
@@ -205,7 +200,7 @@ def main(cfg: MedusaRunConfig) -> dict:
         raise ConfigError("medusa.joint=true (Medusa-2) under FSDP or DeepSpeed ZeRO-3 is not supported: the LoRA "
                           "adapters live in the verifier, which these backends would shard; use multi_gpu.yaml or "
                           "deepspeed_zero2.yaml")
-    # Frozen, eval mode; under FSDP its decoder layers sharded over the processes (train.loop.shard_verifier).
+    # Frozen, eval mode; under FSDP its decoder layers sharded over the processes (train.placement.shard_verifier).
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
 
@@ -254,8 +249,9 @@ def main(cfg: MedusaRunConfig) -> dict:
 
     # Final held-out pass over all of it: per-head accuracy, the rank accuracies the tree is built from.
     result = evaluate(accelerator, model, features, eval_dl, cfg, max_batches=0, max_rank=max_rank)
-    summary = {"steps": loop.state.step, "tokens": loop.state.step * cfg.train.grad_accum * cfg.train.batch_size
-               * cfg.data.seq_len * accelerator.num_processes, "joint": cfg.medusa.joint, "loss": cfg.medusa.loss,
+    summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len,
+               "tokens": loop.state.step * cfg.train.grad_accum * cfg.train.batch_size * cfg.data.seq_len
+               * accelerator.num_processes, "joint": cfg.medusa.joint, "loss": cfg.medusa.loss,
                "final_train": {k.removeprefix("train/"): v for k, v in _last_train_log(loop).items()}}
     tree = rank_accuracy = None
     if result is None:
@@ -269,7 +265,7 @@ def main(cfg: MedusaRunConfig) -> dict:
         summary["eval"] = {k.removeprefix("eval/"): v for k, v in metrics.items()}
         summary["tree_expected_accepted_length"] = expected_accepted_length(tree, rank_accuracy)
         _print_report(accelerator, rows, verifier.vocab_size, len(tree), summary["tree_expected_accepted_length"])
-    summary["wall_time_s"] = round(time.perf_counter() - started, 1)
+    summary["wall_time_s"] = round(time.perf_counter() - started, 1)  # from the start: loading and data included
 
     # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
     full = unsharded(accelerator, model, lambda: HeadsObjective(MedusaHeads.from_config(cfg.medusa, verifier),

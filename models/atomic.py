@@ -1,0 +1,130 @@
+"""Atomic writes: a file or a folder appears whole under its final name, or not at all.
+
+    with atomic_path(path) as tmp:          # any writer that takes a path (safetensors, a tokenizer, ...)
+        save_file(tensors, str(tmp))
+    write_text(path, text); write_json(path, value)
+    with atomic_dir(folder) as tmp:         # fill tmp/, then it replaces `folder` in one rename
+        ...
+
+Everything is written beside its target (same filesystem, so the rename is atomic), fsync-ed before the rename,
+and the parent folder is fsync-ed after it, so a crash at any moment (kill -9, power loss) leaves either the old
+content or the new one. Temporary names start with a dot: `.{name}.tmp-*` (and `.{name}.old-*` for a folder
+being replaced), which is how a caller that holds a lock recognises leftovers of a killed writer.
+
+The one place the project writes files that must not be seen half-written: exports, checkpoints (which add a
+COMPLETE marker and a multi-process protocol on top, train/checkpoint.py), the feature cache, the embedded
+verifier's build, run configs, eval results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import secrets
+from pathlib import Path
+from typing import Iterator
+
+
+def fsync_dir(folder: str | os.PathLike) -> None:
+    """Make a folder's entries (a rename into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """fsync every file below `folder`, then every folder (deepest first), `folder` itself last."""
+    folder = Path(folder)
+    dirs = []
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            dirs.append(path)
+    for path in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(path)
+    fsync_dir(folder)
+
+
+def _temporary_name(target: Path) -> Path:
+    return target.with_name(f".{target.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path beside `path` to write to; on success it is fsync-ed and renamed onto `path`, on an
+    exception it is removed and `path` is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_name(path)  # created by the writer, with the usual mode (umask), unlike mkstemp's 0600
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, value, indent: int | None = 1) -> Path:
+    return write_text(path, json.dumps(value, indent=indent) + "\n")
+
+
+def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Move a finished folder `src` onto `dst`: an existing `dst` is renamed aside first, then deleted, so at every
+    moment `dst` is either the old folder or the new one (never a mix)."""
+    src, dst = Path(src), Path(dst)
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+    os.replace(src, dst)
+    fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(folder: str | os.PathLike) -> Iterator[Path]:
+    """An empty temporary folder beside `folder` to fill; on success every file in it is fsync-ed and it replaces
+    `folder` (`replace_dir`), on an exception it is deleted and `folder` is untouched."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        tmp = _temporary_name(folder)
+        try:
+            tmp.mkdir()  # the usual mode (umask), unlike mkdtemp's 0700: readable by a server under another account
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        replace_dir(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

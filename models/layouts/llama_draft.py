@@ -1,0 +1,71 @@
+"""What the EAGLE layouts share: the drafter's one decoder layer written as a one-layer Llama, which is what vLLM
+and SGLang both build for an EAGLE drafter whatever the verifier's family (Llama, Qwen2, Mistral).
+
+  - config fields: the layer's dims, activation, norm eps, rope (both `rope_theta`/`rope_scaling` and
+    transformers 5's `rope_parameters`), vocab_size (the verifier's), token ids, dtype.
+  - biases: the engines' Llama attention takes one flag (`attention_bias`) for q/k/v *and* o_proj, so a family with
+    q/k/v biases only (Qwen2) is written with attention_bias true and a zero `o_proj.bias`; every bias the engine
+    expects but the drafter lacks is written as zeros (and must be zero when read back).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.dtypes import dtype_name
+
+LAYER = "layers.0."
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def bias_layout(drafter) -> tuple[bool, bool]:
+    """(attention_bias as the engines read it, mlp_bias)."""
+    attn, mlp = drafter.layer.self_attn, drafter.layer.mlp
+    return any(getattr(attn, n).bias is not None for n in PROJECTIONS), mlp.gate_proj.bias is not None
+
+
+def config(drafter) -> dict:
+    """The Llama config.json fields of the drafter's layer (without architectures and method fields)."""
+    vc = drafter.layer_config
+    attention_bias, mlp_bias = bias_layout(drafter)
+    rope = dict(getattr(vc, "rope_parameters", None) or {})
+    rope_theta = rope.get("rope_theta", getattr(vc, "rope_theta", None))
+    rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if rope_scaling.get("rope_type", "default") == "default":
+        rope_scaling = None
+    return {
+        "model_type": "llama",
+        "hidden_size": drafter.hidden_size,
+        "intermediate_size": drafter.layer.mlp.gate_proj.out_features,
+        "num_hidden_layers": 1,
+        "num_attention_heads": drafter.num_heads,
+        "num_key_value_heads": drafter.num_kv_heads,
+        "head_dim": drafter.head_dim,
+        "hidden_act": vc.hidden_act,
+        "rms_norm_eps": vc.rms_norm_eps,
+        "max_position_embeddings": vc.max_position_embeddings,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": rope or None,
+        "vocab_size": drafter.verifier_vocab_size,
+        "attention_bias": attention_bias,
+        "mlp_bias": mlp_bias,
+        "tie_word_embeddings": False,
+        "bos_token_id": getattr(vc, "bos_token_id", None),
+        "eos_token_id": getattr(vc, "eos_token_id", None),
+        "pad_token_id": getattr(vc, "pad_token_id", None),
+        "torch_dtype": dtype_name(drafter.dtype),
+        "dtype": dtype_name(drafter.dtype),
+    }
+
+
+def tensors(drafter) -> dict[str, torch.Tensor]:
+    """The drafter's weights under its module names (`layers.0.*`, `fc.*`, ...), plus zero attention biases where
+    the engine's shared flag expects one the drafter lacks."""
+    out = {k: v.detach() for k, v in drafter.state_dict().items()}
+    if bias_layout(drafter)[0]:
+        for name in PROJECTIONS:
+            key = f"{LAYER}self_attn.{name}.bias"
+            if key not in out:
+                out[key] = torch.zeros(getattr(drafter.layer.self_attn, name).out_features, dtype=drafter.dtype)
+    return out

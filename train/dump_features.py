@@ -1,0 +1,255 @@
+"""Fill an offline hidden-state cache: run the frozen verifier once over a training run's data and write what the
+drafter's loss reads (format: data/hidden_states.py), so training can read files instead of running the verifier.
+
+    python -m train.dump_features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny
+    accelerate launch -m train.dump_features --config configs/llama3-8b-eagle3.yaml --out /data/cache   # N GPUs
+    python -m data.hidden_states verify cache/eagle3-tiny            # sizes, headers and sha256 of every shard
+    python train/eagle.py --config configs/eagle3-tiny.yaml --features=offline --feature_cache=cache/eagle3-tiny
+
+The same YAML drives the dump and the training run: the dump parses it with the trainer's own config class and
+builds the rows with `data.batching.build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)`, the rows training
+sees. It works in one process or under `accelerate launch` (shard i by process i % world size, one index at the
+end); shards already done are skipped, so rerunning the same command after a crash continues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a file from a checkout: find the packages
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from data.batching import build_datasets
+from data.hidden_states import (FEATURE_DTYPES, FORMAT, METHODS, SPLITS, TOKEN_DTYPES, VERSION, CacheError,
+                                bytes_per_token, data_signature, human, sha256_file, shard_done, shard_name,
+                                sidecar_name)
+from models.atomic import atomic_path, write_json
+from models.dtypes import to_dtype
+from train.config import ConfigError, parse_config
+from train.placement import load_verifier
+
+
+# ---- what a run needs ----------------------------------------------------------------------------------------------
+def method_of(cfg) -> str:
+    """The cache method a trainer config implies: `medusa`, `eagle1` or `eagle3`."""
+    if hasattr(cfg, "medusa"):
+        return "medusa"
+    if hasattr(cfg, "eagle"):
+        return f"eagle{cfg.eagle.version}"
+    raise CacheError(f"{type(cfg).__name__}: not a Medusa or EAGLE run config")
+
+
+def layers_for(method: str, cfg, verifier) -> list[int]:
+    """Feature layers a method reads besides the final hidden state (EAGLE-3: three; others: none)."""
+    if method != "eagle3":
+        return []
+    ids = list(cfg.eagle.layer_ids) if cfg.eagle.layer_ids is not None else verifier.default_eagle3_layers()
+    verifier.check_layer_ids(ids, key="eagle.layer_ids")
+    return ids
+
+
+# ---- the dump ----------------------------------------------------------------------------------------------------------
+@dataclass
+class DumpResult:
+    """What a dump did (this process's part of it, plus the totals on the main process)."""
+
+    folder: Path
+    written: list[str]
+    """Shard files this process wrote."""
+    skipped: list[str]
+    """Shard files this process found done and left alone."""
+    estimate_bytes: int
+    actual_bytes: int | None
+    """Total size of all shards (main process, after all processes finished); None elsewhere."""
+
+
+def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "bfloat16", rows_per_shard: int = 256,
+         batch_size: int | None = None, say=print) -> DumpResult:
+    """Run the frozen verifier over the run's train and held-out rows and write the cache to `out` (see module doc).
+
+    Works in one process or under `accelerate launch` (shard i by process i % world size). Shards already done are
+    skipped, so rerunning the same command after a crash continues.
+    """
+    from accelerate import PartialState
+
+
+    if dtype not in FEATURE_DTYPES:
+        raise CacheError(f"dtype={dtype!r}: expected one of {sorted(FEATURE_DTYPES)}")
+    if rows_per_shard < 1:
+        raise CacheError(f"rows_per_shard={rows_per_shard}: expected a positive count")
+    implied = method_of(cfg)
+    method = method or implied
+    if method not in METHODS:
+        raise CacheError(f"method={method!r}: expected one of {METHODS}")
+    if method != implied:
+        raise CacheError(f"--method {method} does not match the config, which trains {implied}; drop --method or "
+                         "use the trainer config of that method")
+    if method == "medusa" and cfg.medusa.joint:
+        raise CacheError("medusa.joint=true (Medusa-2) trains through the verifier itself; there is nothing to cache")
+    from accelerate.utils import parse_flag_from_env
+
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))  # as Accelerator reads `launch --cpu`
+    main = state.is_main_process
+    say = say if main else (lambda *a, **k: None)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+
+    verifier, tokenizer = load_verifier(cfg, state.device)
+    layer_ids = layers_for(method, cfg, verifier)
+    datasets = dict(zip(SPLITS, build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)))
+    plan = {"format": FORMAT, "version": VERSION, "method": method, "verifier": verifier.describe(),
+            "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
+            "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
+            "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg)}
+    plan_path = folder / "plan.json"
+    if plan_path.is_file():
+        before = json.loads(plan_path.read_text())
+        changed = [k for k in plan if before.get(k) != plan[k]]
+        if changed:
+            k = changed[0]
+            raise CacheError(f"{plan_path}: this cache was started with {k}={before.get(k)!r}, this dump has "
+                             f"{k}={plan[k]!r}; use a new --out folder or delete {folder}")
+    state.wait_for_everyone()
+    if main:
+        write_json(plan_path, plan)
+
+    per_token = bytes_per_token(verifier.hidden_size, len(layer_ids), dtype)
+    tokens = sum(plan["rows"].values()) * cfg.data.seq_len
+    estimate = per_token * tokens
+    say(f"[dump] {method} features of {plan['rows']['train']} train + {plan['rows']['eval']} held-out rows x "
+        f"{cfg.data.seq_len} tokens from {verifier.name} (H={verifier.hidden_size}, layers {layer_ids or 'final'}) "
+        f"in {dtype}: {per_token} B/token x {tokens} tokens = {human(estimate)} estimated, into {folder}")
+
+    micro = batch_size or cfg.train.batch_size
+    written, skipped = [], []
+    started = time.perf_counter()
+    for split, ds in datasets.items():
+        n_shards = -(-len(ds) // rows_per_shard)
+        for s in range(state.process_index, n_shards, state.num_processes):
+            name = shard_name(split, s)
+            lo, hi = s * rows_per_shard, min(len(ds), (s + 1) * rows_per_shard)
+            if shard_done(folder, name, hi - lo):
+                skipped.append(name)
+                continue
+            rows = ds[lo:hi]  # {key: (n, T)} int64 tensors
+            tensors = _run_verifier(verifier, rows, layer_ids, to_dtype(dtype), micro)
+            _write_shard(folder, name, tensors, hi - lo, plan)
+            written.append(name)
+            say(f"[dump] {name}: {hi - lo} rows ({time.perf_counter() - started:.0f} s)")
+    state.wait_for_everyone()
+    actual = None
+    if main:
+        index = write_index(folder, plan)
+        actual = index["total_bytes"]
+        say(f"[dump] done: {len(written)} shards written, {len(skipped)} already done; {human(actual)} on disk "
+            f"({actual / max(estimate, 1):.3f} x the estimate of {human(estimate)}); index {folder / 'index.json'}")
+    state.wait_for_everyone()
+    return DumpResult(folder, written, skipped, estimate, actual)
+
+
+@torch.no_grad()
+def _run_verifier(verifier, rows: dict, layer_ids: list[int], dtype: torch.dtype, micro: int) -> dict:
+    """One shard's tensors: token columns plus the verifier's features, computed micro-batch by micro-batch."""
+    ids, attn = rows["input_ids"], rows["attention_mask"]
+    finals, layers = [], []
+    for i in range(0, len(ids), micro):
+        b_ids = ids[i:i + micro].to(verifier.device)
+        b_attn = attn[i:i + micro].to(verifier.device)
+        feats = verifier.features(b_ids, attention_mask=b_attn, layer_ids=layer_ids)
+        finals.append(feats.final.to("cpu", dtype))  # (b, T, H)
+        if layer_ids:
+            layers.append(torch.stack(feats.layers, dim=1).to("cpu", dtype))  # (b, L, T, H)
+    out = {key: rows[key].to(TOKEN_DTYPES[key]).contiguous() for key in TOKEN_DTYPES}
+    out["final"] = torch.cat(finals).contiguous()
+    if layer_ids:
+        out["layers"] = torch.cat(layers).contiguous()
+    return out
+
+
+def _write_shard(folder: Path, name: str, tensors: dict, rows: int, plan: dict) -> None:
+    from safetensors.torch import save_file
+
+    with atomic_path(folder / name) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "fingerprint": plan["verifier"]["fingerprint"],
+                                               "method": plan["method"], "rows": str(rows)})
+        meta = {"file": name, "rows": rows, "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
+    write_json(folder / sidecar_name(name), meta)  # after the rename: the shard counts as done from here on
+
+
+def write_index(folder: Path, plan: dict) -> dict:
+    """index.json from the plan and the shard sidecars; every shard must be done."""
+    splits, total = {}, 0
+    for split in SPLITS:
+        shards = []
+        n_shards = -(-plan["rows"][split] // plan["rows_per_shard"])
+        for s in range(n_shards):
+            side = folder / sidecar_name(shard_name(split, s))
+            if not side.is_file():
+                raise CacheError(f"{side}: missing; shard {shard_name(split, s)} was not finished (rerun the dump)")
+            meta = json.loads(side.read_text())
+            shards.append(meta)
+            total += meta["bytes"]
+        splits[split] = {"rows": plan["rows"][split], "shards": shards}
+    index = {**{k: v for k, v in plan.items() if k != "rows"}, "splits": splits,
+             "bytes_per_token": bytes_per_token(plan["hidden_size"], len(plan["layer_ids"]), plan["dtype"]),
+             "total_bytes": total}
+    write_json(folder / "index.json", index)
+    return index
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------------------
+def _config_class(method: str | None, argv: list[str]):
+    """The trainer's config class: from --method, else from the YAML's method section."""
+    if method is None:
+        import yaml
+
+        path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"),
+                    next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None))
+        keys = set(yaml.safe_load(Path(path).read_text()) or {}) if path else set()
+        method = "medusa" if "medusa" in keys else "eagle3" if "eagle" in keys else None
+        if method is None:
+            raise CacheError("cannot tell the method: pass --method medusa|eagle1|eagle3 or a trainer --config")
+    if method == "medusa":
+        from train.medusa import MedusaRunConfig
+
+        return MedusaRunConfig
+    from train.eagle import EagleRunConfig
+
+    return EagleRunConfig
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["dump"]:  # the old `python -m data.hidden_states dump ...` spelling, with the module swapped
+        argv = argv[1:]
+    parser = argparse.ArgumentParser(prog="python -m train.dump_features", description=__doc__.split("\n\n")[0],
+                                     epilog="Other arguments: --config FILE.yaml and the trainer's --key=value "
+                                            "overrides (the run the cache is for).")
+    parser.add_argument("--method", choices=METHODS, help="default: what the config trains")
+    parser.add_argument("--out", help="cache folder (default: the config's feature_cache)")
+    parser.add_argument("--dtype", choices=sorted(FEATURE_DTYPES), default="bfloat16", help="feature dtype on disk")
+    parser.add_argument("--rows_per_shard", type=int, default=256, help="rows per safetensors shard")
+    parser.add_argument("--batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = parse_config(_config_class(args.method, rest), rest, prog="python -m train.dump_features")
+        out = args.out or cfg.feature_cache
+        if not out:
+            raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")
+        dump(cfg, out, args.method, args.dtype, args.rows_per_shard, args.batch_size)
+    except (CacheError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

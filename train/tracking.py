@@ -1,0 +1,73 @@
+"""The run's Accelerator and its experiment tracking: one `Accelerator` per run (mixed precision, gradient
+accumulation, the launch's processes), wandb through Accelerate's tracker (offline unless an API key is
+configured), per-step tables. The resolved config is written to the run folder here, once the launch is known to
+be sane.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from eval.report import wandb_mode
+from train.config import ConfigError, RunConfig, config_dict, save_config
+
+
+def build_accelerator(cfg: RunConfig):
+    """One Accelerator per run: mixed precision, gradient accumulation, wandb tracking (offline without a key)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    if cfg.train.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.mixed_precision=fp16 needs a CUDA GPU; use `bf16` or `no` on the CPU")
+    log_with = "wandb" if cfg.wandb.enabled else None
+    accelerator = Accelerator(
+        mixed_precision=cfg.train.mixed_precision,
+        gradient_accumulation_steps=cfg.train.grad_accum,
+        log_with=log_with,
+        project_dir=cfg.output_dir,
+        step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, whatever the world size
+    )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        # `accelerate launch --multi_gpu` on a machine without GPUs starts N independent single-process runs that
+        # would all write output_dir; refuse instead of training N unsynchronised copies.
+        raise ConfigError(
+            f"launched as {launched} processes (WORLD_SIZE={launched}) but Accelerate set up "
+            f"{accelerator.num_processes} ({accelerator.distributed_type}); without GPUs set ACCELERATE_USE_CPU=true "
+            "(or `accelerate launch --cpu --num_processes N`) so the processes train together over gloo")
+    if accelerator.gradient_accumulation_steps != cfg.train.grad_accum:
+        # A launch config (DeepSpeed's gradient_accumulation_steps, ACCELERATE_GRADIENT_ACCUMULATION_STEPS) overrides
+        # the argument; the global batch would silently differ from the run config's.
+        raise ConfigError(
+            f"the accelerate launch config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} "
+            f"but train.grad_accum={cfg.train.grad_accum}; make them equal")
+    set_seed(cfg.train.seed)
+    if log_with:
+        init_wandb(accelerator, cfg)
+    if accelerator.is_main_process:
+        save_config(cfg, cfg.output_dir)
+    return accelerator
+
+
+def init_wandb(accelerator, cfg: RunConfig) -> None:
+    project = cfg.wandb.project or os.environ.get("WANDB_PROJECT") or "draftheads"
+    init_kwargs = {"name": cfg.wandb.run_name or Path(cfg.output_dir).name, "dir": cfg.output_dir,
+                   "mode": wandb_mode() if cfg.wandb.mode == "auto" else cfg.wandb.mode}
+    if cfg.wandb.entity:
+        init_kwargs["entity"] = cfg.wandb.entity
+    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    accelerator.init_trackers(project, config=config_dict(cfg), init_kwargs={"wandb": init_kwargs})
+
+
+def log_table(accelerator, key: str, columns: list[str], rows: list[list], step: int | None = None) -> None:
+    """A wandb table (e.g. per-head accuracy) at `step` (the training step; None: wandb's own counter); no-op
+    without wandb. Main process only."""
+    if not accelerator.is_main_process or not accelerator.log_with:
+        return
+    import wandb
+
+    tracker = accelerator.get_tracker("wandb", unwrap=True)
+    tracker.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
