@@ -21,13 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# Modules the docs already name but that the code moves of issue "One house" create in a parallel branch.
-# Delete each entry when the module lands (the test fails on an entry that exists, so none is forgotten).
-PENDING = {
-    "train.dump_features",   # from `python -m data.hidden_states dump`
-    "eval.regenerate",       # from `python -m data.regenerate`
-}
-
 OUR_PACKAGES = ("data", "models", "eval", "train", "scripts")
 NOT_OURS = {"pip", "pip3", "hf", "huggingface-cli", "git", "cd", "export", "vllm", "python3", "source", "ls",
             "mkdir", "rm", "cp", "mv", "cat", "echo", "curl", "wget", "xz", "torchrun", "nvidia-smi", "sudo"}
@@ -131,7 +124,7 @@ def problems_of(words: list[str]) -> list[str]:
 
 
 def module_problems(module: str) -> list[str]:
-    if module.split(".")[0] not in OUR_PACKAGES or module in PENDING:
+    if module.split(".")[0] not in OUR_PACKAGES:
         return []
     try:
         spec = importlib.util.find_spec(module)
@@ -224,12 +217,6 @@ def test_links_resolve(doc):
         elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             bad.append(f"{rel(doc)}:{line}: no heading #{anchor} in {rel(dest)}")
     assert not bad, "\n".join(bad)
-
-
-def test_pending_modules_are_still_pending():
-    """Once a PENDING module exists, its entry must go (so the docs are checked against it)."""
-    landed = sorted(m for m in PENDING if importlib.util.find_spec(m) is not None)
-    assert not landed, f"delete from PENDING in tests/test_docs.py: {landed}"
 
 
 def test_the_checker_catches_mistakes():

@@ -156,7 +156,7 @@ class RunConfig:
 
     def __post_init__(self):
         if self.features == "offline" and not self.feature_cache:
-            raise ConfigError("features=offline needs feature_cache: the folder written by `python -m data.hidden_states dump`")
+            raise ConfigError("features=offline needs feature_cache: the folder written by `python -m train.dump_features`")
 
 
 C = TypeVar("C")

@@ -7,7 +7,7 @@
 `features: online` (the default) runs the frozen verifier inside the step, under no-grad, keeping only what the
 drafter asked for: the final post-norm hidden state always, the inputs of `layer_ids` (forward hooks, never all of
 `output_hidden_states`), and the logits only with `return_logits`. `features: offline` reads the same tensors from
-the hidden-state cache (`python -m data.hidden_states dump`, with `feature_cache: DIR`): the batches then come from
+the hidden-state cache (`python -m train.dump_features`, with `feature_cache: DIR`): the batches then come from
 the cache's loader and carry the features; the trainer code does not change, only which source this returns.
 """
 
