@@ -114,31 +114,29 @@ def test_no_import_loops():
     assert not loops, "import loops:\n" + "\n".join(" <-> ".join(c) for c in loops)
 
 
+def fake_tree(root: Path, monkeypatch, files: dict[str, str]) -> None:
+    """A project of empty layer packages plus `files` under `root`, which the checks then read."""
+    for layer in LAYERS:
+        (root / layer).mkdir()
+        (root / layer / "__init__.py").write_text("")
+    for name, source in files.items():
+        (root / name).write_text(source)
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", root)
+
+
 @pytest.mark.parametrize("source, bad", [
     ("from train.loop import TrainLoop\n", "data/x.py:1 imports train.loop"),
     ("def f():\n    from eval.decoder import make_drafter\n", "data/x.py:2 imports eval.decoder"),
 ])
 def test_the_check_sees_backward_imports(tmp_path, monkeypatch, source, bad):
     """The rule itself: a data/ module importing eval or train (even inside a function) is reported."""
-    root = tmp_path
-    for layer in LAYERS:
-        (root / layer).mkdir()
-        (root / layer / "__init__.py").write_text("")
-    (root / "train" / "loop.py").write_text("")
-    (root / "eval" / "decoder.py").write_text("")
-    (root / "data" / "x.py").write_text(source)
-    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", root)
+    fake_tree(tmp_path, monkeypatch, {"train/loop.py": "", "eval/decoder.py": "", "data/x.py": source})
     with pytest.raises(AssertionError, match=bad.replace(".", r"\.")):
         test_layers_import_only_downwards()
 
 
 def test_the_check_sees_loops(tmp_path, monkeypatch):
-    root = tmp_path
-    for layer in LAYERS:
-        (root / layer).mkdir()
-        (root / layer / "__init__.py").write_text("")
-    (root / "eval" / "a.py").write_text("from eval.b import x\n")
-    (root / "eval" / "b.py").write_text("def f():\n    from eval import a\n")
-    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", root)
+    fake_tree(tmp_path, monkeypatch, {"eval/a.py": "from eval.b import x\n",
+                                      "eval/b.py": "def f():\n    from eval import a\n"})
     with pytest.raises(AssertionError, match="eval.a <-> eval.b"):
         test_no_import_loops()
