@@ -347,6 +347,9 @@ class FusedDecoder:
     def __init__(self, decoder: SpeculativeDecoder, graphs: bool | None = None, buckets: Buckets = Buckets(),
                  backend: str = "auto", capture_drafter: bool | None = None, sync_timings: bool = False,
                  strict_graphs: bool = False):
+        if decoder.first_token != "draft":
+            raise ValueError(f"the fused loop takes its first token from the first verification step; this decoder "
+                             f"has first_token={decoder.first_token!r} (use the unfused decoder for that)")
         self.decoder = decoder
         self.drafter = decoder.drafter
         self.device = decoder.device

@@ -23,8 +23,12 @@ near-tie can flip when kernel shapes change (the attention window here is bucket
 covers a few masked slots; `window_bucket=1` gives the exact shapes of a cached Hugging Face decode), just as
 Hugging Face's own cached and uncached greedy decoding can disagree in bf16.
 
-The first step's root is the prompt's last token: prefill runs the prompt minus that token, so every generated
-token comes out of a verification step (and a drafter drafts from the very first token).
+Where the first token comes from (`first_token`): by default ("draft") the first step's root is the prompt's last
+token: prefill runs the prompt minus that token, so every generated token comes out of a verification step (and a
+drafter drafts from the very first token). With "prefill" (vLLM's and SGLang's convention) the prefill runs the
+whole prompt and chooses the first token itself (argmax, or a sample at T > 0), and drafting starts after it: the
+accepted-token counts then compare one for one with vLLM's. Outputs are the same either way (greedy), or follow the
+same distribution (sampled).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import inspect
 import torch
 from torch import nn
 
-from eval.acceptance import Acceptance, accept
+from eval.acceptance import Acceptance, accept, probs_from_logits, sample
 from eval.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, load_causal_lm
 from eval.eagle_drafter import make_eagle
 from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
@@ -94,13 +98,16 @@ def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **o
     return factory(verifier, draft, device, dtype, **options)
 
 
+FIRST_TOKEN = ("draft", "prefill")
+
+
 # ---- the decoder -------------------------------------------------------------------------------------------------
 class SpeculativeDecoder:
     """A verifier, a drafter, a static KV cache, and the decode loop (`prefill`, `draft`, `verify`, `accept`,
     `commit`)."""
 
     def __init__(self, verifier, drafter: Drafter | None = None, method: str | None = None, window_bucket: int = 64,
-                 sync_timings: bool = False):
+                 sync_timings: bool = False, first_token: str = "draft"):
         from models.verifier import Verifier
 
         if isinstance(verifier, nn.Module) and not isinstance(verifier, Verifier):
@@ -112,6 +119,10 @@ class SpeculativeDecoder:
         self.window_bucket = window_bucket
         self.sync_timings = sync_timings
         """Synchronise the device around timed phases (exact per-phase timings on CUDA, slightly slower)."""
+        if first_token not in FIRST_TOKEN:
+            raise ValueError(f"first_token={first_token!r}: expected one of {', '.join(FIRST_TOKEN)}")
+        self.first_token = first_token
+        """Where the first new token comes from: "draft" (the first verification step) or "prefill" (module doc)."""
         self.cache = None
         eos = verifier.config.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -121,7 +132,7 @@ class SpeculativeDecoder:
 
     @classmethod
     def from_pretrained(cls, verifier, draft=None, method: str = "autoregressive", device=None, dtype=None,
-                        **method_options) -> "SpeculativeDecoder":
+                        first_token: str = "draft", **method_options) -> "SpeculativeDecoder":
         """verifier: a name/folder (`models.verifier.Verifier.from_pretrained`) or a Verifier; draft: what the
         method needs (a draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle')."""
         from models.verifier import Verifier
@@ -132,7 +143,7 @@ class SpeculativeDecoder:
         else:
             verifier = Verifier.from_pretrained(verifier, dtype=dtype, device=device)
         drafter = make_drafter(method, verifier, draft, device=device, dtype=dtype, **method_options)
-        return cls(verifier, drafter, method=method)
+        return cls(verifier, drafter, method=method, first_token=first_token)
 
     @property
     def device(self) -> torch.device:
@@ -144,7 +155,7 @@ class SpeculativeDecoder:
         # still verified (fixed shapes): N + 1 slots past that, and its tokens written up to D + 1 past it.
         # Plus one spare scratch slot at the end (drafters use it), never reached by any row.
         n = self.drafter.num_draft_tokens
-        return max(map(len, prompts)) + max_new_tokens + 2 * n + 2
+        return max(map(len, prompts)) + max_new_tokens + 2 * n + 2 + (self.first_token == "prefill")
 
     def _new_state(self, prompts: list[list[int]], max_new_tokens: int) -> DecodeState:
         B, dev = len(prompts), self.device
@@ -157,23 +168,23 @@ class SpeculativeDecoder:
         for b, row in enumerate(prompts):
             tokens[b, : len(row)] = torch.tensor(row)
         plen = torch.tensor([len(r) for r in prompts])
-        return DecodeState(tokens=tokens.to(dev), lengths=(plen - 1).to(dev),
+        held = int(self.first_token == "draft")  # the prompt's last token waits as the first root, or it is run too
+        return DecodeState(tokens=tokens.to(dev), lengths=(plen - held).to(dev),
                            active=torch.ones(B, dtype=torch.bool, device=dev), prompt_lengths=plen.to(dev),
-                           capacity=capacity, lengths_host=[len(r) - 1 for r in prompts], active_host=[True] * B)
+                           capacity=capacity, lengths_host=[len(r) - held for r in prompts], active_host=[True] * B)
 
     def _window(self, state: DecodeState, new: int) -> int:
         return min(state.capacity, bucket(max(state.lengths_host) + new, self.window_bucket))
 
     # ---- the loop pieces -----------------------------------------------------------------------------------------
-    def prefill(self, state: DecodeState) -> Committed:
-        """Run every prompt minus its last token (left-aligned, padded to the longest) into the KV cache."""
+    def prefill(self, state: DecodeState, sampling: Sampling | None = None) -> Committed:
+        """Run every prompt minus its last token (left-aligned, padded to the longest) into the KV cache; with
+        first_token="prefill" the whole prompt, and the verifier's choice at its last token becomes each row's root
+        (`state.prefill_tokens`, one host sync)."""
         B, dev = state.batch_size, state.device
         M = max(state.lengths_host)
-        tokens = state.tokens[:, :M].clone()  # a copy: slots past a short row's length are rewritten later
-        committed = Committed(tokens=tokens, next_tokens=state.tokens[:, 1: M + 1].clone(),
-                              count=state.lengths.clone(),
-                              start=torch.zeros(B, dtype=torch.long, device=dev), prefill=True)
         if M == 0:  # one-token prompts only: nothing to run, empty features of the usual shapes
+            committed = self._committed_prefill(state, M)
             H, V = self.verifier.hidden_size, self.verifier.vocab_size
             empty = torch.zeros(B, 0, H, dtype=self.runner.dtype, device=dev)
             committed.final = empty if self.drafter.wants_final else None
@@ -181,14 +192,30 @@ class SpeculativeDecoder:
             committed.logits = torch.zeros(B, 0, V, dtype=self.runner.dtype, device=dev) \
                 if self.drafter.wants_logits else None
             return committed
+        tokens = state.tokens[:, :M].clone()  # a copy: slots past a short row's length are rewritten later
         pos = torch.arange(M, device=dev).expand(B, M)
         mask = causal_mask(M, self._window(state, 0), dev).expand(B, -1, -1)
         out = self.runner(self.cache, tokens, pos, pos, mask, layer_ids=self.drafter.layer_ids,
                           logits=self.drafter.wants_logits)
+        if self.first_token == "prefill":
+            last = out.final[torch.arange(B, device=dev), state.lengths - 1]  # (B, H): each prompt's last token
+            logits = self.runner.lm_head(last)  # (B, V)
+            greedy = sampling is None or sampling.greedy
+            first = logits.argmax(-1) if greedy else \
+                sample(probs_from_logits(logits, sampling.temperature, sampling.top_p), sampling.generator)
+            state.tokens.scatter_(1, state.lengths[:, None], first[:, None])  # the first root
+            state.prefill_tokens = first.tolist()
+        committed = self._committed_prefill(state, M)
         committed.final = out.final if self.drafter.wants_final else None
         committed.layers = out.layers
         committed.logits = out.logits
         return committed
+
+    def _committed_prefill(self, state: DecodeState, M: int) -> Committed:
+        B = state.batch_size
+        return Committed(tokens=state.tokens[:, :M].clone(), next_tokens=state.tokens[:, 1: M + 1].clone(),
+                         count=state.lengths.clone(), start=torch.zeros(B, dtype=torch.long, device=state.device),
+                         prefill=True)
 
     def draft(self, state: DecodeState, sampling: Sampling) -> Draft:
         return self.drafter.propose(state, sampling)
@@ -240,7 +267,7 @@ class SpeculativeDecoder:
         timings = {} if timings is None else timings
         t0 = self.tick()
         state = self._new_state(prompts, max_new_tokens)
-        committed = self.prefill(state)
+        committed = self.prefill(state, sampling)
         t1 = self.tick()
         self.drafter.start(state, sampling)
         self.drafter.observe(state, committed)

@@ -163,6 +163,16 @@ class RowProgress:
         stats.verifier_calls += 1
         return newly_done
 
+    def take_first(self, tokens: list[int]) -> bool:
+        """The prefill's own first token of each row (first_token="prefill"); True when one already finished."""
+        newly_done = False
+        for b, tok in enumerate(tokens):
+            self.outputs[b].append(tok)
+            if tok in self.eos or len(self.outputs[b]) >= self.max_new_tokens:
+                self.active[b] = False
+                newly_done = True
+        return newly_done
+
 
 def add_times(timings: dict[str, float], **seconds: float) -> None:
     for key, value in seconds.items():
@@ -199,7 +209,10 @@ def generate(engine, input_ids, max_new_tokens: int, temperature: float = 0.0, t
         return GenerationResult(progress.outputs, stats)
     timings: dict[str, float] = {}
     run = engine.begin(prompts, max_new_tokens, sampling, timings)
-    stats.prefill_calls = int(max(map(len, prompts)) > 1)  # the prefill runs each prompt minus its last token
+    first = getattr(run, "prefill_tokens", None)  # vLLM's convention: the prefill chose the first token
+    stats.prefill_calls = int(first is not None or max(map(len, prompts)) > 1)  # else it runs each prompt but one
+    if first is not None and progress.take_first(first):
+        engine.set_active(run, progress.active)
     while any(progress.active):
         stats.draft_tokens += N * sum(progress.active)
         rows = engine.step(run, sampling, timings)

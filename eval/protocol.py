@@ -95,6 +95,9 @@ class DecodeState:
     """`lengths` as Python ints (valid at the start of each step)."""
     active_host: list[bool] = field(default_factory=list)
     """`active` as Python bools (the loop's copy; it switches rows off in both)."""
+    prefill_tokens: list[int] | None = None
+    """Per row, the first new token when the prefill chose it (`first_token="prefill"`, vLLM's convention); None
+    when the first token comes out of the first verification step, as every later one does."""
 
     @property
     def batch_size(self) -> int:

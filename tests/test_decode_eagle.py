@@ -69,6 +69,16 @@ def test_greedy_equals_hf_generate(exported, family, version, mode):
     assert 1.2 < 1 + sum(accepted) / len(accepted) < depth + 1
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_token_from_the_prefill_is_still_greedy(exported, family):
+    """vLLM's convention (the prefill picks the first token, drafting starts after it) changes no output."""
+    model, verifier, refs, folder = exported(family, 3)
+    dec = SpeculativeDecoder(verifier, make_drafter("eagle", verifier, str(folder), chain=3), "eagle",
+                             first_token="prefill")
+    for batch, prompts in PROMPTS.items():
+        assert dec.generate(prompts, MAX_NEW).output_ids == [refs[tuple(p)] for p in prompts], (family, batch)
+
+
 def test_dynamic_tree_beats_the_chain(exported):
     """Same drafter, same number of drafter forwards per step: the dynamic tree accepts more per step."""
     _, verifier, _, folder = exported("llama", 1)

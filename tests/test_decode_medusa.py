@@ -62,6 +62,16 @@ def test_greedy_equals_hf_generate(exported, family, mode):
     assert sum(a > 0 for a in accepted) >= 3 and any(a < depth for a in accepted), accepted
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_token_from_the_prefill_is_still_greedy(exported, family):
+    """vLLM's convention (the prefill picks the first token, drafting starts after it) changes no output."""
+    model, verifier, refs, folder = exported(family)
+    dec = SpeculativeDecoder(verifier, make_drafter("medusa", verifier, str(folder), chain=3), "medusa",
+                             first_token="prefill")
+    for batch, prompts in PROMPTS.items():
+        assert dec.generate(prompts, MAX_NEW).output_ids == [refs[tuple(p)] for p in prompts], (family, batch)
+
+
 def test_tree_sources(exported):
     _, verifier, _, folder = exported("llama")
     d = make_drafter("medusa", verifier, str(folder))

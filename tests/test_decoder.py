@@ -61,6 +61,28 @@ def test_greedy_equals_hf_generate(family_setup, family, method):
         assert stats.tau == 1.0 and stats.draft_tokens == 0
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_first_token_from_the_prefill_changes_nothing_but_the_counts(family_setup, family, method):
+    """first_token="prefill" (vLLM's convention): the prefill runs the whole prompt and picks the first token, so
+    outputs are plain greedy decoding again, and every verifier call comes after that first token."""
+    model, verifier, refs = family_setup(family)
+    options = METHODS[method](model)
+    name = options.pop("method")
+    draft = options.pop("draft", None)
+    dec = SpeculativeDecoder(verifier, make_drafter(name, verifier, draft, **options), name, first_token="prefill")
+    for batch, prompts in PROMPTS.items():
+        out = dec.generate(prompts, MAX_NEW, eos_token_id=None)
+        assert out.output_ids == [refs[tuple(p)] for p in prompts], (family, method, batch)
+        # the first token is no verifier call's: the steps account for all the others
+        assert all(sum(a + 1 for a in row) >= n - 1 for row, n in zip(out.stats.accepted, out.stats.new_tokens))
+        assert out.stats.prefill_calls == 1
+    assert SpeculativeDecoder(verifier, first_token="prefill").generate(PROMPTS[3], 1).output_ids == \
+        [refs[tuple(p)][:1] for p in PROMPTS[3]]  # one token: the prefill's alone, no verification step
+    with pytest.raises(ValueError, match="first_token='first': expected one of draft, prefill"):
+        SpeculativeDecoder(verifier, first_token="first")
+
+
 def test_some_drafts_accepted_some_rejected(family_setup):
     """The greedy grid above is not trivial: the noisy draft model is accepted part of the time."""
     model, verifier, _ = family_setup("llama")

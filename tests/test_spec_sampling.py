@@ -90,13 +90,16 @@ def test_first_two_tokens_follow_the_verifier(models, shape, temperature, top_p)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("first_token", ["draft", "prefill"])
 @pytest.mark.parametrize("options", [dict(num_draft_tokens=3), dict(branching=[3, 2])], ids=["chain", "tree"])
-def test_generate_samples_like_the_verifier(models, options):
-    """End to end: batches of the same prompt through `generate` at T=1; joint of the first two new tokens."""
+def test_generate_samples_like_the_verifier(models, options, first_token):
+    """End to end: batches of the same prompt through `generate` at T=1; joint of the first two new tokens (with
+    first_token="prefill" the first is the prefill's own sample, the second the first verification step's)."""
     verifier, drafter = models
     z0, z1, _ = context_logits(verifier)
     v = Verifier(verifier)
-    dec = SpeculativeDecoder(v, make_drafter("draft-model", v, draft=drafter, **options), "draft-model")
+    dec = SpeculativeDecoder(v, make_drafter("draft-model", v, draft=drafter, **options), "draft-model",
+                             first_token=first_token)
     counts = torch.zeros(V * V, dtype=torch.long)
     rates = []
     for seed in range(4):
