@@ -8,7 +8,7 @@ and padding). A prediction *of* x_j is trained and scored iff loss_mask[j] = 1. 
 
 EAGLE-1 (Li et al. 2024; SafeAILab/EAGLE `eagle/train/main.py`, `cnets1.py`)
   At drafter position t (position id t) the input pair is (x_{t+1}, f_t):
-      f'_t = Layer(fc([embed(x_{t+1}); f_t]))                 fc = Linear(2H, H, bias=fc_bias)
+      f'_t = Layer(fc([embed(x_{t+1}); f_t]))                 fc = Linear(2H, H, bias=fc_bias), no bias by default
   Layer is one decoder layer of the verifier's family *without* input_layernorm (the fc output is the residual);
   there is no final norm: f'_t is fed straight to the verifier's lm_head. f'_t regresses f_{t+1}, and
   lm_head(f'_t) predicts x_{t+2}:
@@ -114,7 +114,8 @@ class EagleConfig:
     noise: float | None = None
     """Uniform noise width on the input verifier features during training; None: 0.2 for EAGLE-1, 0 for EAGLE-3."""
     fc_bias: bool | None = None
-    """Bias on fc; None: true for EAGLE-1 (EAGLE repo), false for EAGLE-3 (engines build it without one)."""
+    """Bias on fc; None: none (vLLM builds both EAGLE versions' fc without one, SGLang reads a zero one for
+    EAGLE-1). The EAGLE repo trains EAGLE-1 with one: true, for engine sglang only."""
     qkv_bias: bool | None = None
     """Bias on q/k/v projections; None: as in the verifier's family (Qwen2: true)."""
     norm_before_residual: bool = False
@@ -129,6 +130,10 @@ class EagleConfig:
             self.layer_ids = [int(i) for i in self.layer_ids]
             if len(self.layer_ids) != 3:
                 raise EagleError(f"eagle.layer_ids={self.layer_ids}: expected exactly three layer ids")
+            if any(a >= b for a, b in zip(self.layer_ids, self.layer_ids[1:])):
+                raise EagleError(f"eagle.layer_ids={self.layer_ids}: expected distinct ids in increasing order; vLLM "
+                                 f"and SGLang concatenate the features in layer order, so any other order would be "
+                                 f"served with the fc blocks swapped (use {sorted(set(self.layer_ids))})")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise EagleError(f"eagle.draft_vocab_size={self.draft_vocab_size}: expected a positive size or null")
         if self.ttt_steps < 1:
@@ -154,8 +159,8 @@ class EagleConfig:
 
     @property
     def use_fc_bias(self) -> bool:
-        """Whether fc has a bias: `fc_bias`, or true for EAGLE-1 / false for EAGLE-3 when unset."""
-        return self.version == 1 if self.fc_bias is None else self.fc_bias
+        """Whether fc has a bias: `fc_bias`, false when unset."""
+        return bool(self.fc_bias)
 
 
 # ---- draft vocabulary (pure) -------------------------------------------------------------------------------------
@@ -408,6 +413,11 @@ class EagleDrafter(nn.Module):
         """Verifier layer ids whose inputs this drafter consumes (EAGLE-1: none, it uses the final feature)."""
         return []
 
+    @property
+    def token_embedding(self) -> torch.Tensor:
+        """(V, H) the verifier's token embedding, which the drafter reads (frozen, shared, not its parameter)."""
+        return self._held.embed_tokens.weight
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # frozen, shared with the verifier
             return self._held.embed_tokens(input_ids).to(self.dtype)
@@ -635,6 +645,11 @@ class Eagle3Drafter(EagleDrafter):
     @property
     def draft_vocab_size(self) -> int:
         return self.d2t.numel()
+
+    @property
+    def full_vocab(self) -> bool:
+        """The draft vocabulary is the verifier's whole vocabulary (d2t is zero, t2d all true)."""
+        return self.draft_vocab_size == self.verifier_vocab_size
 
     def project_features(self, layer_feats) -> torch.Tensor:
         """fc over the concatenated verifier features: list of 3 x (B, T, H), or (B, T, 3H) -> (B, T, H)."""

@@ -4,14 +4,17 @@ check and the scripts read through it.
     save_medusa(folder, heads, verifier, tree=..., training_summary=...)     Medusa-1/2 (vLLM's layout)
     heads, meta = load_medusa(folder, verifier)
     verifier = load_medusa_verifier(folder, verifier)                        Medusa-2: the adapter merged in
-    export_eagle(drafter, folder, verifier, training=..., engine="vllm")    EAGLE-1/3, `engine` vllm | sglang
+    export_eagle(drafter, folder, verifier, training=..., engine="vllm")    EAGLE-1/3: vllm | sglang | speculators
     drafter = load_eagle(folder, verifier)
+    check_eagle_engine(cfg, engine)                                          at config time, before any training
 
 A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
 layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and
 names each engine reads is in models/layouts/ (one module per flavour); this module picks the layout, adds the
-metadata, and on load rebuilds the drafter from the metadata, checks the file against what that drafter would
-write, and refuses a drafter trained for another verifier, naming the field.
+metadata (which records the layout, `engine`), and on load rebuilds the drafter from the metadata, checks the
+file against what that drafter would write in that layout, and refuses a drafter trained for another verifier,
+naming the field. A drafter that an engine would read differently from how it was trained is refused before
+anything is written (`check_eagle_engine`; trainers call it when they parse their config).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Literal, Sequence
 import torch
 
 from models.eagle import EagleConfig, EagleDrafter, EagleError, Eagle1Drafter, Eagle3Drafter
-from models.layouts import eagle_sglang, eagle_vllm, medusa_vllm
+from models.layouts import eagle_sglang, eagle_speculators, eagle_vllm, medusa_vllm
 from models.layouts.folder import (CONFIG_NAME, WEIGHTS_NAME, DrafterFormatError, metadata_block, read_drafter,
                                    read_metadata, require_keys, write_drafter)
 from models.medusa import MedusaHeads, as_rows, check_tree, lora_model
@@ -33,7 +36,7 @@ from models.verifier import Verifier, VerifierError, check_drafter_matches
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "export_eagle", "load_eagle",
            "load_medusa", "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa"]
 
-EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang)}
+EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang, eagle_speculators)}
 ENGINES = tuple(EAGLE_LAYOUTS)
 MEDUSA = "medusa"
 
@@ -59,7 +62,7 @@ def save_medusa(folder: str | os.PathLike, heads: MedusaHeads, verifier: Verifie
     config = {
         **medusa_vllm.config(heads),
         "draftheads": metadata_block(
-            MEDUSA, verifier,
+            MEDUSA, verifier, engine=medusa_vllm.NAME,
             num_heads=heads.num_heads, num_layers=heads.num_layers, bias=heads.bias,
             adapter=medusa_vllm.ADAPTER_DIR if adapter is not None else None,
             tree=[list(p) for p in paths] if paths is not None else None,
@@ -140,18 +143,29 @@ def load_medusa_verifier(folder: str | os.PathLike, verifier: Verifier, merge: b
 # ---- EAGLE ---------------------------------------------------------------------------------------------------------
 def _eagle_layout(engine: str):
     if engine not in EAGLE_LAYOUTS:
-        raise EagleError(f"engine={engine!r}: expected one of {ENGINES}")
+        raise EagleError(f"engine={engine!r}: expected one of {', '.join(ENGINES)}")
     return EAGLE_LAYOUTS[engine]
 
 
-def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, verifier, training: dict | None = None,
-                 engine: Literal["vllm", "sglang"] = "vllm") -> Path:
-    """Write the drafter for an inference engine (atomically) in that engine's layout (models/layouts/)."""
+def check_eagle_engine(cfg: EagleConfig, engine: str, qkv_bias: bool | None = None) -> EagleConfig:
+    """Settle what `engine` decides among the settings left unset, then refuse what it would read differently from
+    how the drafter trains (an EagleError naming the key and the engine). Returns `cfg`, changed in place."""
     layout = _eagle_layout(engine)
+    layout.resolve(cfg)
+    layout.check(cfg, qkv_bias)
+    return cfg
+
+
+def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, verifier, training: dict | None = None,
+                 engine: str = "vllm", num_speculative_tokens: int = 3) -> Path:
+    """Write the drafter for an inference engine (atomically) in that engine's layout (models/layouts/).
+    `num_speculative_tokens` goes into the speculators format (what `vllm serve DRAFTER_DIR` drafts per step)."""
+    layout = _eagle_layout(engine)
+    layout.check(drafter.cfg, qkv_bias=drafter.layer.self_attn.q_proj.bias is not None)
     method = f"eagle{drafter.version}"
     meta = metadata_block(method, verifier, layer_ids=drafter.feature_layers, engine=engine,
                           eagle=dataclasses.asdict(drafter.cfg), training=training or {})
-    config = {**layout.config(drafter), "draftheads": meta}
+    config = {**layout.config(drafter, verifier, num_speculative_tokens), "draftheads": meta}
     return write_drafter(folder, config, layout.tensors(drafter))
 
 
@@ -180,17 +194,21 @@ def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = Tr
     if len(floats) != 1:
         raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
     dtype = floats.pop()
+    pruned = False
     if cfg.version == 1:
         drafter = Eagle1Drafter(verifier, cfg)
     else:
-        for key, kind in (("d2t", torch.long), ("t2d", torch.bool)):
+        pruned = config.get("draft_vocab_size") != verifier.vocab_size  # else no maps: the whole vocabulary
+        for key, kind in (("d2t", torch.long), ("t2d", torch.bool)) if pruned else ():
             if key not in tensors or tensors[key].dtype != kind:
-                raise DrafterFormatError(f"{weights}: `{key}` missing or not {kind}")
-        if tensors["t2d"].numel() != verifier.vocab_size:
+                raise DrafterFormatError(f"{weights}: `{key}` missing or not {kind} (draft_vocab_size "
+                                         f"{config.get('draft_vocab_size')} < the verifier's {verifier.vocab_size})")
+        if pruned and tensors["t2d"].numel() != verifier.vocab_size:
             raise DrafterFormatError(f"{where}: t2d has {tensors['t2d'].numel()} entries, the verifier's vocab "
                                      f"{verifier.vocab_size}")
         try:
-            drafter = Eagle3Drafter(verifier, cfg, d2t=tensors["d2t"], t2d=tensors["t2d"])
+            drafter = Eagle3Drafter(verifier, cfg, d2t=tensors["d2t"] if pruned else None,
+                                    t2d=tensors["t2d"] if pruned else None)
         except EagleError as err:
             raise DrafterFormatError(f"{weights}: {err}") from None
     drafter = drafter.to(dtype=dtype)
@@ -200,13 +218,20 @@ def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = Tr
     for key, ref in expected.items():
         if tensors[key].dtype != ref.dtype:
             raise DrafterFormatError(f"{weights}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
-    mine = layout.config(drafter)
+    mine = layout.config(drafter, verifier, num_speculative_tokens=1)
     for key in layout.CHECKED_FIELDS:
         if key in mine and config.get(key) != mine[key]:
             raise DrafterFormatError(f"{where}: {key} is {config.get(key)!r}; this verifier's drafter has {mine[key]!r}")
 
+    embedding = tensors.get(eagle_speculators.EMBEDDING)
+    if embedding is not None and not torch.equal(embedding, drafter.token_embedding.detach().to(embedding.dtype)):
+        raise DrafterFormatError(f"{weights}: {eagle_speculators.EMBEDDING!r} is not the verifier's token embedding; "
+                                 "this drafter embeds tokens its own way, which the engines would serve but "
+                                 "draftheads does not train or decode")
     # Back to module names; placeholders the engines need but the drafter lacks must be zero.
     state = layout.state_dict(tensors)
+    if cfg.version == 3 and not pruned:  # the whole vocabulary: no maps in the file, the drafter's are the identity
+        state.update({k: v for k, v in drafter.state_dict().items() if k in ("d2t", "t2d")})
     own = drafter.state_dict()
     for key in sorted(set(state) - set(own)):
         if state[key].count_nonzero():

@@ -415,7 +415,7 @@ def test_a_few_steps_reduce_the_loss_and_leave_the_verifier_alone(verifiers, ver
 
 # ---- config and families ---------------------------------------------------------------------------------------
 def test_config_defaults_and_errors():
-    assert EagleConfig(version=1).use_fc_bias is True and EagleConfig(version=1).input_noise == 0.2
+    assert EagleConfig(version=1).use_fc_bias is False and EagleConfig(version=1).input_noise == 0.2  # vLLM's fc
     assert EagleConfig(version=3).use_fc_bias is False and EagleConfig(version=3).input_noise == 0.0
     assert EagleConfig(version=1, fc_bias=False, noise=0.0).use_fc_bias is False
     with pytest.raises(EagleError, match="fc_bias"):
@@ -484,6 +484,6 @@ def test_version_override_from_the_command_line_resolves_its_own_defaults():
         eagle: EagleConfig = field(default_factory=EagleConfig)
 
     cfg = parse_config(EagleRun, ["--eagle.version=1"]).eagle
-    assert cfg.version == 1 and cfg.use_fc_bias and cfg.input_noise == 0.2
+    assert cfg.version == 1 and not cfg.use_fc_bias and cfg.input_noise == 0.2  # no fc bias for either version
     cfg = parse_config(EagleRun, ["--eagle.layer_ids=[1,2,3]", "--eagle.ttt_steps=3"]).eagle
     assert cfg.layer_ids == [1, 2, 3] and not cfg.use_fc_bias and cfg.input_noise == 0.0

@@ -2,13 +2,14 @@
 and an engine-style reference forward built only from the exported folder (HF Llama modules, vLLM semantics)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from models.eagle import EagleConfig, build_drafter
+from models.eagle import EagleConfig, EagleError, build_drafter
 from models.export import export_eagle, load_eagle
 from models.export import DrafterFormatError
 from models.verifier import Verifier, VerifierError
@@ -53,19 +54,23 @@ def test_eagle1_export_matches_spec(tmp_path, verifiers):
     verifier = verifiers["llama"]
     folder = export_eagle(make(verifier, 1), tmp_path / "e1", verifier, training={"steps": 3})
     config, tensors = read(folder)
-    spec = {"fc.weight": (H, 2 * H), "fc.bias": (H,), **layer_spec(H)}
+    spec = {"fc.weight": (H, 2 * H), **layer_spec(H)}  # no fc bias by default: vLLM's fc has none
     assert {k: tuple(v.shape) for k, v in tensors.items()} == spec  # no input_layernorm, embed_tokens, lm_head
     assert all(v.dtype == torch.float32 for v in tensors.values())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
-    assert config["num_hidden_layers"] == 1 and config["bias"] is True and config["attention_bias"] is False
+    assert config["num_hidden_layers"] == 1 and config["bias"] is False and config["attention_bias"] is False
     assert (config["hidden_size"], config["intermediate_size"], config["vocab_size"]) == (H, I, V)
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (4, KV, D)
     assert config["tie_word_embeddings"] is False and config["rope_theta"] == 10000.0
     meta = config["draftheads"]
     assert meta["method"] == "eagle1" and meta["layer_ids"] == [] and meta["training"] == {"steps": 3}
     assert meta["verifier"] == verifier.describe() and meta["eagle"]["fc_bias"] is None and meta["eagle"]["version"] == 1
-    no_bias = export_eagle(make(verifier, 1, fc_bias=False), tmp_path / "e1nb", verifier)
-    assert "fc.bias" not in read(no_bias)[1] and read(no_bias)[0]["bias"] is False
+    # vLLM drops an fc bias without a word: an EAGLE-1 trained with one is refused for it, written for SGLang
+    with pytest.raises(EagleError, match="eagle.fc_bias=true with engine vllm"):
+        export_eagle(make(verifier, 1, fc_bias=True), tmp_path / "e1b", verifier)
+    assert not (tmp_path / "e1b").exists()
+    biased = export_eagle(make(verifier, 1, fc_bias=True), tmp_path / "e1s", verifier, engine="sglang")
+    assert tuple(read(biased)[1]["fc.bias"].shape) == (H,) and read(biased)[0]["bias"] is True
 
 
 def test_eagle3_export_matches_spec(tmp_path, verifiers):
@@ -85,7 +90,9 @@ def test_eagle3_export_matches_spec(tmp_path, verifiers):
                 "head_dim": D, "rms_norm_eps": 1e-6, "max_position_embeddings": 512, "rope_theta": 10000.0,
                 "vocab_size": V, "draft_vocab_size": 100, "target_hidden_size": H, "tie_word_embeddings": False,
                 "norm_before_residual": False, "bias": False, "attention_bias": False,
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}}
+                # vLLM reads the top-level ids (inputs of layers 1, 2, 3); SGLang reads eagle_config's and adds one
+                "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2], "use_aux_hidden_state": True}}
     assert {k: config[k] for k in expected} == expected
     meta = config["draftheads"]
     assert meta["method"] == "eagle3" and meta["layer_ids"] == [1, 2, 3] and meta["engine"] == "vllm"
@@ -117,6 +124,12 @@ def test_sglang_flavour(tmp_path, verifiers):
     assert torch.equal(tensors["fc.bias"], torch.zeros(H))  # SGLang's EAGLE-1 fc always has a bias
     with pytest.raises(ValueError, match="layer 0"):
         export_eagle(make(verifier, 3, layer_ids=[0, 1, 2]), tmp_path / "s0", verifier, engine="sglang")
+    # What SGLang would serve wrong without a word is refused: q/k/v biases (Qwen2's), norm_before_residual
+    with pytest.raises(EagleError, match="eagle.qkv_bias=true with engine sglang"):
+        export_eagle(make(verifiers["qwen2"], 3), tmp_path / "sq", verifiers["qwen2"], engine="sglang")
+    with pytest.raises(EagleError, match="eagle.norm_before_residual=true with engine sglang"):
+        export_eagle(make(verifier, 3, norm_before_residual=True), tmp_path / "sn", verifier, engine="sglang")
+    assert not any((tmp_path / name).exists() for name in ("sq", "sn"))
 
 
 def test_exported_config_reads_as_a_llama_config(tmp_path, verifiers):
@@ -135,7 +148,8 @@ def test_exported_config_reads_as_a_llama_config(tmp_path, verifiers):
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 def test_reload_is_exact(tmp_path, verifiers, family, version, engine):
     verifier = verifiers[family]
-    drafter = make(verifier, version, layer_ids=[1, 2, 3] if version == 3 else None)
+    sglang3 = {"qkv_bias": False} if (engine, version) == ("sglang", 3) else {}  # SGLang's EAGLE-3 has no qkv bias
+    drafter = make(verifier, version, layer_ids=[1, 2, 3] if version == 3 else None, **sglang3)
     loaded = load_eagle(export_eagle(drafter, tmp_path / "d", verifier, engine=engine), verifier)
     assert type(loaded) is type(drafter) and loaded.cfg == drafter.cfg
     a, b = drafter.state_dict(), loaded.state_dict()
@@ -278,3 +292,82 @@ def test_engine_reference_from_the_folder_matches(tmp_path, verifiers, family, v
             full[..., drafter.to_target_ids(torch.arange(drafter.draft_vocab_size))] = ours
             ours = full
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+# ---- what the engines showed (issue: served, not just shaped) ------------------------------------------------------
+def test_full_vocabulary_eagle3_has_no_maps_and_reloads(tmp_path, verifiers):
+    """A draft vocabulary as large as the verifier's: no d2t / t2d in the file (vLLM refuses a d2t then, with
+    'There is no module or parameter named draft_id_to_target_id'), draft_vocab_size = V; reloads exactly."""
+    verifier = verifiers["llama"]
+    drafter = build_drafter(verifier, EagleConfig(version=3, draft_vocab_size=None, layer_ids=[1, 2, 3])).eval()
+    assert drafter.full_vocab
+    config, tensors = read(export_eagle(drafter, tmp_path / "full", verifier))
+    assert "d2t" not in tensors and "t2d" not in tensors and config["draft_vocab_size"] == V
+    assert tuple(tensors["lm_head.weight"].shape) == (V, H)
+    loaded = load_eagle(tmp_path / "full", verifier)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()))
+    # a pruned vocabulary still needs its map: without it vLLM would read draft id i as target id i
+    pruned = export_eagle(make(verifier, 3), tmp_path / "pruned", verifier)
+    tensors = load_file(str(pruned / "model.safetensors"))
+    del tensors["d2t"]
+    save_file(tensors, str(pruned / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DrafterFormatError, match=r"`d2t` missing .*draft_vocab_size 100 < the verifier's 256"):
+        load_eagle(pruned, verifier)
+
+
+def test_layer_ids_must_increase():
+    """vLLM and SGLang concatenate the features in layer order: another order would swap fc's blocks."""
+    with pytest.raises(EagleError, match=r"eagle.layer_ids=\[3, 1, 2\]: expected distinct ids in increasing order"):
+        EagleConfig(layer_ids=[3, 1, 2])
+    with pytest.raises(EagleError, match="increasing"):
+        EagleConfig(layer_ids=[1, 1, 2])
+
+
+def test_speculators_flavour(tmp_path, verifiers, tiny_verifier_dirs):
+    """The speculators library's format: speculators_config names the verifier's folder and K, the norm flags are
+    all written out, layer ids at the top level, the verifier's embedding included; reloads exactly."""
+    verifier = verifiers["llama"]
+    drafter = make(verifier, 3, layer_ids=[1, 2, 3])
+    folder = export_eagle(drafter, tmp_path / "spec", verifier, engine="speculators", num_speculative_tokens=4)
+    config, tensors = read(folder)
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 4, "verifier_accept_k": 1,
+                                         "accept_tolerance": 0.0}]
+    assert spec["verifier"]["name_or_path"] == str(tiny_verifier_dirs["llama"].resolve())
+    assert spec["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3] and config["draft_vocab_size"] == 100
+    assert {k: config[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")} == \
+        dict.fromkeys(("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"), False)
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["hidden_size"] == H
+    assert torch.equal(tensors["embed_tokens.weight"], verifier.embed_tokens.weight.float())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.hidden_norm.weight"} <= set(tensors)
+    loaded = load_eagle(folder, verifier)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), loaded.state_dict().values()))
+    # an embedding that is not the verifier's is a drafter we would decode differently from the engines
+    tensors["embed_tokens.weight"] = tensors["embed_tokens.weight"] + 1
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DrafterFormatError, match="not the verifier's token embedding"):
+        load_eagle(folder, verifier)
+    with pytest.raises(EagleError, match="no EAGLE-1 format"):
+        export_eagle(make(verifier, 1), tmp_path / "spec1", verifier, engine="speculators")
+
+
+def test_engine_rules_apply_when_the_run_config_is_read():
+    """A run that would export something an engine reads differently stops before it trains, naming the key and
+    the engine; settings left unset take the engine's choice."""
+    from train.config import ConfigError, parse_config
+    from train.eagle import EagleRunConfig
+
+    configs = Path(__file__).resolve().parent.parent / "configs"
+    base = ["--config", str(configs / "eagle3-tiny.yaml")]
+    with pytest.raises(ConfigError, match="eagle.norm_before_residual=true with engine sglang"):
+        parse_config(EagleRunConfig, [*base, "--engine=sglang", "--eagle.norm_before_residual=true"])
+    with pytest.raises(ConfigError, match="eagle.fc_bias=true with engine vllm"):
+        parse_config(EagleRunConfig, ["--config", str(configs / "eagle1-tiny.yaml"), "--eagle.fc_bias=true"])
+    with pytest.raises(ConfigError, match="no EAGLE-1 format"):
+        parse_config(EagleRunConfig, ["--config", str(configs / "eagle1-tiny.yaml"), "--engine=speculators"])
+    assert parse_config(EagleRunConfig, [*base, "--engine=sglang"]).eagle.qkv_bias is False  # SGLang has none
+    assert parse_config(EagleRunConfig, base).eagle.qkv_bias is None  # vLLM: as the verifier's family

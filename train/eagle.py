@@ -41,9 +41,9 @@ if __package__ in (None, ""):  # run as a file (`accelerate launch train/eagle.p
 from data.progress import quiet
 from models.dtypes import to_dtype
 from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens
-from models.export import export_eagle
+from models.export import check_eagle_engine, export_eagle
 from train.cli import main_guard
-from train.config import RunConfig
+from train.config import ConfigError, RunConfig
 from train.export_check import finish_run
 from train.features import batch_tokens, feature_source
 from train.heldout import heldout_sums
@@ -61,10 +61,21 @@ class EagleRunConfig(RunConfig):
     """Run folder: config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints and the exported drafter in drafter/."""
     eagle: EagleConfig = field(default_factory=EagleConfig)
     """The drafter: version, feature layers, draft vocabulary, TTT steps and loss weights."""
-    engine: Literal["vllm", "sglang"] = "vllm"
-    """Layout of the exported drafter: vLLM's (layers.0.*, our layer ids) or SGLang's (midlayer.*, ids - 1)."""
+    engine: Literal["vllm", "sglang", "speculators"] = "vllm"
+    """Layout of the exported drafter (models/layouts/): vLLM's (layers.0.*; SGLang reads its EAGLE-3 too),
+    SGLang's (midlayer.*), or the speculators library's (served by `vllm serve DRAFTER_DIR` with no flags). Settings
+    the engine would read differently from how the drafter trains are refused when the config is read."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """dtype of the exported weights (training keeps fp32 master weights either way)."""
+    num_speculative_tokens: int = 3
+    """engine=speculators: the draft tokens per step written into the export (what vLLM drafts when it serves the
+    folder directly)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens}: expected at least 1")
+        check_eagle_engine(self.eagle, self.engine)  # the engine's defaults, and what it would serve wrong
 
 
 def draft_vocab_counts(dataset, vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
@@ -172,7 +183,8 @@ def main(cfg: EagleRunConfig) -> dict:
     full = unsharded(accelerator, model, lambda: EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts)))
     drafter = full.drafter.to(to_dtype(cfg.export_dtype)) if full is not None else None  # training is over
     if accelerator.is_main_process:
-        folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
+        folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine,
+                              num_speculative_tokens=cfg.num_speculative_tokens)
         say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")
     # Train/serve consistency: the export, reloaded from disk, must accept what the in-memory drafter accepts.
     return finish_run(accelerator, loop, summary, cfg, drafter, verifier, eval_dl.dataset, tokenizer, say=say)

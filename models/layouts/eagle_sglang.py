@@ -6,8 +6,11 @@
   - Layer ids: SGLang adds 1 to explicit aux layer ids (its ids are layer *outputs*), so we write ours - 1; layer 0
     (the embeddings) cannot be expressed.
   - EAGLE-1: the class is `LlamaForCausalLMEagle` and always has an fc bias (`bias: true`; a zero fc.bias when
-    trained without one). EAGLE-3: qkv_proj never has a bias there (q/k/v biases are ignored): train with
-    qkv_bias=false for SGLang.
+    trained without one).
+  - EAGLE-3 (0.5.23): layer 0's qkv_proj is built without a bias and the loader skips unknown names, so q/k/v
+    biases would be dropped silently: refused (`check`), and left out by default for this engine (`resolve`).
+    There is no `norm_before_residual` (the residual is always the un-normed fc output): refused when true.
+    The loader never reports a missing weight.
 """
 
 from __future__ import annotations
@@ -23,17 +26,38 @@ CHECKED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidd
 MIDLAYER = "midlayer."
 
 
-def config(drafter) -> dict:
+def check(cfg, qkv_bias: bool | None = None) -> None:
+    """Refuse an EagleConfig that SGLang would read differently from how it trains; `qkv_bias` is what the drafter
+    has (None: as the config says)."""
+    if cfg.version != 3:
+        return
+    if cfg.norm_before_residual:
+        raise EagleError("eagle.norm_before_residual=true with engine sglang: SGLang's EAGLE-3 has no such option "
+                         "(its residual is always the un-normed fc output), so the drafter would be served wrong; "
+                         "train with eagle.norm_before_residual=false or export for engine vllm")
+    if cfg.qkv_bias if qkv_bias is None else qkv_bias:
+        raise EagleError("eagle.qkv_bias=true with engine sglang: SGLang's EAGLE-3 layer has no q/k/v bias and drops "
+                         "them from the file without a word; train with eagle.qkv_bias=false")
+    if cfg.layer_ids is not None and min(cfg.layer_ids) < 1:
+        raise EagleError(f"eagle.layer_ids={list(cfg.layer_ids)} with engine sglang: SGLang names the features by "
+                         "the layer that *outputs* them (our id - 1), so layer 0 (the embeddings) cannot be "
+                         "expressed")
+
+
+def resolve(cfg) -> None:
+    """This engine's choice for settings left unset (None): EAGLE-3 without q/k/v biases (SGLang has none)."""
+    if cfg.version == 3 and cfg.qkv_bias is None:
+        cfg.qkv_bias = False
+
+
+def config(drafter, verifier=None, num_speculative_tokens: int = 3) -> dict:
     if drafter.version == 1:
         return {"architectures": ["LlamaForCausalLMEagle"], **llama_draft.config(drafter), "bias": True}
     ids = list(drafter.layer_ids)
     if min(ids) < 1:
         raise EagleError(f"layer ids {ids}: SGLang names the features by the layer that *outputs* them "
-                          "(our id - 1), so layer 0 (the embeddings) cannot be expressed")
-    return {"architectures": ["LlamaForCausalLMEagle3"], **llama_draft.config(drafter),
-            "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size, "bias": False,
-            "norm_before_residual": drafter.cfg.norm_before_residual,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids], "use_aux_hidden_state": True}}
+                         "(our id - 1), so layer 0 (the embeddings) cannot be expressed")
+    return llama_draft.eagle3_config(drafter, top_level_ids=None, eagle_config_ids=[i - 1 for i in ids])
 
 
 def tensors(drafter) -> dict[str, torch.Tensor]:

@@ -11,24 +11,38 @@
            (hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim, hidden_act,
            rms_norm_eps, rope_theta / rope_scaling / rope_parameters, max_position_embeddings), vocab_size (the
            verifier's), draft_vocab_size, target_hidden_size, tie_word_embeddings false, bias false (fc),
-           attention_bias, mlp_bias, norm_before_residual, eagle_config {eagle_aux_hidden_state_layer_ids,
-           use_aux_hidden_state: true}.
+           attention_bias, mlp_bias, norm_before_residual, the feature layer ids at the top level
+           (`eagle_aux_hidden_state_layer_ids`, our ids: the inputs of those layers) and eagle_config
+           {eagle_aux_hidden_state_layer_ids: our ids - 1, use_aux_hidden_state: true}.
            weights: fc.weight [H, 3H], layers.0.self_attn.{q,k,v}_proj.weight [*, 2H], layers.0.self_attn.o_proj
            .weight, layers.0.mlp.{gate,up,down}_proj.weight, layers.0.{input_layernorm,hidden_norm,
-           post_attention_layernorm}.weight, norm.weight, lm_head.weight [Vd, H], d2t int64 [Vd], t2d bool [V].
+           post_attention_layernorm}.weight, norm.weight, lm_head.weight [Vd, H], and only when the draft
+           vocabulary is smaller than the verifier's, d2t int64 [Vd] (target id - draft id) and t2d bool [V].
            No embed_tokens.
 
-What vLLM's loader does: its Llama attention takes `attention_bias` (or `bias`!) for q/k/v *and* o_proj (see
-llama_draft.py for the zero placeholders); its EAGLE-1 fc has no bias (fc.bias is dropped or fails to load,
-depending on the version) and it reads `bias` as attention bias: train EAGLE-1 with fc_bias=false for vLLM. It
-reads `eagle_aux_hidden_state_layer_ids` (top level, else inside eagle_config) as the inputs of those layers (our
-convention) and accepts both `layers.0.*` and `midlayer.*` names.
+What vLLM 0.32's loader does (and why the layout is as it is):
+  - Layer ids: Model Runner V2 (the default for EAGLE) reads only the top-level `eagle_aux_hidden_state_layer_ids`
+    and silently falls back to (2, L//2, L-3) without it; the Llama drafter counts the feature layers from
+    eagle_config. It concatenates the features in increasing layer order, whatever order the config lists them
+    (so our layer ids must be increasing: EagleConfig refuses others). SGLang reads only eagle_config's copy and
+    adds 1 to it (its ids name the layer whose *output* is the feature), so that copy holds our ids - 1: one folder
+    then serves both engines with the same layers.
+  - d2t: with a draft vocabulary as large as the verifier's, vLLM builds no `draft_id_to_target_id` and a d2t in
+    the file fails the load ("There is no module or parameter named 'draft_id_to_target_id'"); with a smaller one,
+    a missing d2t leaves the map at zero: draft id i read as target id i, silently. So d2t is written exactly when
+    the draft vocabulary is pruned.
+  - Biases: its Llama attention takes `attention_bias` (or `bias`!) for q/k/v *and* o_proj (see llama_draft.py for
+    the zero placeholders); its EAGLE-1 fc has no bias and an fc.bias in the file is dropped without a word (every
+    unexpected `.bias` is), so an EAGLE-1 trained with one is refused here (`check`), not exported.
+  - Names: un-prefixed; both `layers.0.*` and `midlayer.*` are accepted. There is no missing-weight check: a
+    tensor it expects and the file lacks stays at its initial value.
 """
 
 from __future__ import annotations
 
 import torch
 
+from models.eagle import EagleError
 from models.layouts import llama_draft
 
 NAME = "vllm"
@@ -37,14 +51,23 @@ CHECKED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidd
                   "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "eagle_config")
 
 
-def config(drafter) -> dict:
+def check(cfg, qkv_bias: bool | None = None) -> None:
+    """Refuse an EagleConfig (or a drafter's) that vLLM would read differently from how it trains."""
+    if cfg.version == 1 and cfg.use_fc_bias:
+        raise EagleError("eagle.fc_bias=true with engine vllm: vLLM's EAGLE-1 builds fc without a bias and drops "
+                         "fc.bias from the file without a word, so the drafter would be served wrong; train with "
+                         "eagle.fc_bias=false (exact in vLLM and SGLang), or export for engine sglang")
+
+
+def resolve(cfg) -> None:
+    """Nothing to choose: the drafter's defaults (no fc bias) are what vLLM builds."""
+
+
+def config(drafter, verifier=None, num_speculative_tokens: int = 3) -> dict:
     if drafter.version == 1:
         return {"architectures": ["LlamaForCausalLM"], **llama_draft.config(drafter), "bias": drafter.cfg.use_fc_bias}
-    return {"architectures": ["LlamaForCausalLMEagle3"], **llama_draft.config(drafter),
-            "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size, "bias": False,
-            "norm_before_residual": drafter.cfg.norm_before_residual,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(drafter.layer_ids),
-                             "use_aux_hidden_state": True}}
+    return llama_draft.eagle3_config(drafter, top_level_ids=list(drafter.layer_ids),
+                                     eagle_config_ids=[i - 1 for i in drafter.layer_ids])
 
 
 def tensors(drafter) -> dict[str, torch.Tensor]:

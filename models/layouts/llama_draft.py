@@ -59,10 +59,24 @@ def config(drafter) -> dict:
     }
 
 
+def eagle3_config(drafter, top_level_ids: list[int] | None, eagle_config_ids: list[int]) -> dict:
+    """EAGLE-3's config.json fields: the layer's, the draft vocabulary, the norm option and the feature layer ids
+    (at the top level for vLLM when given, and inside eagle_config in the convention of the engine that reads it)."""
+    ids = {} if top_level_ids is None else {"eagle_aux_hidden_state_layer_ids": top_level_ids}
+    return {"architectures": ["LlamaForCausalLMEagle3"], **config(drafter),
+            "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size, "bias": False,
+            "norm_before_residual": drafter.cfg.norm_before_residual, **ids,
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": eagle_config_ids, "use_aux_hidden_state": True}}
+
+
 def tensors(drafter) -> dict[str, torch.Tensor]:
     """The drafter's weights under its module names (`layers.0.*`, `fc.*`, ...), plus zero attention biases where
-    the engine's shared flag expects one the drafter lacks."""
+    the engine's shared flag expects one the drafter lacks. EAGLE-3's d2t / t2d only with a pruned draft
+    vocabulary: with the whole vocabulary the engines build no map (vLLM refuses a d2t then)."""
     out = {k: v.detach() for k, v in drafter.state_dict().items()}
+    if getattr(drafter, "full_vocab", False):
+        out.pop("d2t", None)
+        out.pop("t2d", None)
     if bias_layout(drafter)[0]:
         for name in PROJECTIONS:
             key = f"{LAYER}self_attn.{name}.bias"
