@@ -70,7 +70,20 @@ def vllm_python() -> str:
                           "CPU build, ~3.5 min and 2.7 GB) or set DRAFTHEADS_VLLM_PYTHON to a Python that has vllm")
 
 
-def run_vllm(cases: list[VllmCase], timeout: float = 1800) -> dict:
+@dataclass
+class SpeculatorsLogits:
+    """The speculators library loads a folder with its own classes and computes EAGLE-3 logits for one step."""
+
+    name: str
+    drafter: str
+    input_ids: list[int]
+    """(T,) the token of each pair (x_{t+1})."""
+    hidden_states: list[list[float]]
+    """(T, 3H) the verifier's features at t (the three layers concatenated)."""
+    kind: str = "speculators_logits"
+
+
+def run_vllm(cases: list, timeout: float = 1800) -> dict:
     """Run the cases in one vLLM process; returns the runner's result ({"vllm": version, "cases": [...]}), one
     entry per case in order (a case vLLM refused has ok False and vLLM's error)."""
     python = vllm_python()

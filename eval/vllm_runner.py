@@ -126,6 +126,29 @@ def run_case(case: dict) -> dict:
     return result
 
 
+def speculators_logits(case: dict) -> dict:
+    """The speculators library's own reading of a speculators-format folder: `SpeculatorModel.from_pretrained`, then
+    its Eagle3 forward for one step over the given (input ids, verifier features) pairs; the logits are read at its
+    lm_head (a forward hook), so nothing of the forward is rewritten here."""
+    import torch
+    from speculators import SpeculatorModel
+
+    result = {"name": case["name"], "ok": False}
+    try:
+        model = SpeculatorModel.from_pretrained(case["drafter"]).eval().float()
+        seen = []
+        model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+        ids = torch.tensor([case["input_ids"]])
+        hidden = torch.tensor([case["hidden_states"]], dtype=torch.float32)
+        with torch.no_grad():
+            model(hidden_states=hidden, input_ids=ids, document_ids=torch.zeros_like(ids), ttt_steps=1)
+        result.update(ok=True, model_class=type(model).__name__, logits=seen[0][0].tolist())
+    except Exception as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+    return result
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_runner.py JOB.json RESULT.json", file=sys.stderr)
@@ -136,7 +159,9 @@ def main(argv: list[str]) -> int:
         job = json.load(f)
     import vllm
 
-    results = {"vllm": vllm.__version__, "cases": [run_case(case) for case in job["cases"]]}
+    run = {"speculators_logits": speculators_logits}
+    results = {"vllm": vllm.__version__,
+               "cases": [run.get(case.get("kind"), run_case)(case) for case in job["cases"]]}
     tmp = argv[1] + ".tmp"
     with open(tmp, "w") as f:
         json.dump(results, f)

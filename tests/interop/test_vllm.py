@@ -230,3 +230,29 @@ def test_sampling_in_vllm_follows_the_verifier(sampled):
     _, spec, joint, _ = sampled
     assert spec["ok"], spec.get("error")
     assert pvalue(torch.tensor(spec["batches"][0]["outputs"]), joint) > 0.001
+
+
+@pytest.mark.parametrize("draft_vocab", [160, None], ids=["pruned", "whole-vocabulary"])
+def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vllm_ready, draft_vocab):
+    """`SpeculatorModel.from_pretrained(DRAFTER_DIR)` (speculators 0.9, its own Eagle3DraftModel; no conversion, no
+    verifier embeddings handed over by hand) computes our drafter's first-step logits to float tolerance."""
+    from eval.vllm_peer import SpeculatorsLogits
+
+    model = peaked_model("llama", **SIZE)
+    model.save_pretrained(tmp_path / "verifier", safe_serialization=True)
+    verifier = Verifier.from_pretrained(tmp_path / "verifier")
+    drafter = fit_eagle(verifier, 3, greedy_corpus(verifier.model, FIT, 40), draft_vocab_size=draft_vocab,
+                        layer_ids=[1, 2, 3])
+    folder = export_eagle(drafter, tmp_path / "speculators", verifier, engine="speculators")
+    ids = torch.tensor([PROMPTS[2]])
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    with torch.no_grad():  # pairs (x_{t+1}, features at t)
+        out, _ = drafter(ids[:, 1:], drafter.project_features(feats.layers)[:, :-1])
+        ours = drafter.logits(out)[0]  # (T-1, Vd)
+    result = run_vllm([SpeculatorsLogits("logits", str(folder), ids[0, 1:].tolist(),
+                                         torch.cat(feats.layers, -1)[0, :-1].tolist())])["cases"][0]
+    assert result["ok"], result.get("error")
+    assert result["model_class"] == "Eagle3DraftModel"
+    theirs = torch.tensor(result["logits"])
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
