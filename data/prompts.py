@@ -134,15 +134,15 @@ def load_prompts(spec: str, num: int | None = None) -> list[Prompt]:
 
 
 def prompt_ids(prompt: Prompt, tokenizer, chat_template: str | None = None) -> list[int]:
-    """The verifier's input for a prompt: chat prompts through the chat template with the generation prompt when
-    there is one (`chat_template` or the tokenizer's), else the user text raw; completion prompts as raw text
-    (with the tokenizer's own BOS, if it adds one)."""
+    """The verifier's input for a prompt: chat prompts through the chat template with the generation prompt
+    (`chat_template` or the tokenizer's; without one a chat prompt is refused, as training refuses chat data: raw
+    text would measure the drafter on inputs the verifier is never served); completion prompts as raw text (with the
+    tokenizer's own BOS, if it adds one)."""
     if prompt.messages is not None:
-        template = None
-        if chat_template or getattr(tokenizer, "chat_template", None):
-            template = resolve_chat_template(tokenizer, chat_template, option_name="chat_template")
-        if template is not None:
-            text = render_chat(prompt.messages, tokenizer, template, add_generation_prompt=True)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tokenizer("\n\n".join(m["content"] for m in prompt.messages))["input_ids"]
+        if not (chat_template or getattr(tokenizer, "chat_template", None)):
+            raise DataError(f"prompt {prompt.id!r} is a chat prompt but the verifier's tokenizer has no chat template; "
+                            "pass --chat-template (a template file or string, or `chatml`) or use completion prompts")
+        template = resolve_chat_template(tokenizer, chat_template, option_name="chat_template")
+        text = render_chat(prompt.messages, tokenizer, template, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt.text)["input_ids"]

@@ -166,9 +166,33 @@ class SkipCounter:
 # ---------------------------------------------------------------- local files
 
 
+def read_user_text(path: Path) -> str:
+    """A data file's text. Bytes that are not UTF-8 are kept as lone surrogates (`surrogateescape`), so the rows
+    that hold them can be counted and skipped (`undecodable`), never silently replaced by U+FFFD."""
+    return path.read_bytes().decode("utf-8", errors="surrogateescape")
+
+
+def undecodable(value: Any) -> str | None:
+    """Where a value (a row: nested dicts, lists, strings) holds bytes that were not UTF-8, as a RowError detail."""
+    if isinstance(value, str):
+        for i, ch in enumerate(value):
+            if "\udc80" <= ch <= "\udcff":
+                return f"byte 0x{ord(ch) - 0xDC00:02x} at character {i} is not UTF-8"
+        return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for found in map(undecodable, items) if found), None)
+
+
 def json_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(origin, raw row) for a .jsonl file (one object per line) or a .json file (a list of objects, or JSONL)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
+    """(origin, raw row) for a .jsonl file (one object per line) or a .json file (a list of objects, or JSONL).
+    A row holding bytes that are not UTF-8 comes back as a RowError (`undecodable`)."""
+    for origin, row in _json_rows(path):
+        bad = None if isinstance(row, RowError) else undecodable(row)
+        yield (origin, RowError("undecodable", bad)) if bad else (origin, row)
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    text = read_user_text(path)
     if path.suffix == ".json":
         try:
             data = json.loads(text)
@@ -208,8 +232,11 @@ def _local_rows(path: Path, fmt: str, skips: SkipCounter) -> tuple[list[dict], i
             if fmt not in ("auto", "text"):
                 raise DataError(f"{file}: a plain-text file, but data.format={fmt!r}; use data.format=auto or text")
             seen += 1
-            text = read_source(file)
-            if text.strip():
+            text = read_user_text(file)
+            bad = undecodable(text)
+            if bad:
+                skips.skip(str(file), RowError("undecodable", bad))
+            elif text.strip():
                 rows.append({"text": text, "origin": str(file)})
             else:
                 skips.skip(str(file), RowError("empty text", "the file is empty"))

@@ -182,13 +182,55 @@ def encode_prompts(prompts, tokenizer, chat_template, max_positions: int | None,
     return encoded
 
 
+def check_args(args) -> None:
+    """Every flag in range and the output folder writable, before anything is loaded or decoded."""
+    positive = {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size, "--repeats": args.repeats}
+    if args.num_prompts is not None:
+        positive["--num-prompts"] = args.num_prompts
+    if args.threads is not None:
+        positive["--threads"] = args.threads
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} {value}: expected a positive number")
+    if args.temperature < 0:
+        raise UsageError(f"--temperature {args.temperature}: expected >= 0 (0 = greedy)")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p {args.top_p}: expected 0 < top_p <= 1")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise UsageError(f"--out {args.out}: a file is in the way; expected a folder (or a path to create)") from None
+    except PermissionError:
+        raise UsageError(f"--out {args.out}: cannot create it (permission denied)") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {args.out}: not writable by this user; the results would be lost at the end")
+
+
 def main(argv: list[str] | None = None) -> int:
+    from data.config import DataError
+    from models.eagle import EagleError
+    from models.export import DrafterFormatError
+    from models.verifier import VerifierError
+
     args = parser().parse_args(argv)
     try:
+        check_args(args)
         return run(args, argv)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except (DataError, VerifierError, DrafterFormatError, EagleError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # a method option out of range (the engine's checks name the option)
+        if os.environ.get("DRAFTHEADS_TRACEBACK"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 1
 
 
 def run(args, argv=None) -> int:
@@ -202,8 +244,6 @@ def run(args, argv=None) -> int:
 
     say = (lambda *a: None) if quiet() else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads {args.threads}: expected >= 1")
         torch.set_num_threads(args.threads)
     specs = method_specs(args.method, args.draft, args.option, args.compare, args.fused)
     primary = specs[0].label if not args.method else args.method[0].rpartition("=")[0] or args.method[0]

@@ -48,6 +48,8 @@ class VllmCase:
     serve_drafter: bool = False
     repeat: int = 1
     max_model_len: int = 512
+    ignore_eos: bool = True
+    """Generate max_tokens whatever comes (comparisons); False: stop at the verifier's EOS, as a server does."""
     request_seeds: bool = True
     speculative_options: dict = field(default_factory=dict)
     """More fields of vLLM's speculative_config (e.g. draft_sample_method)."""

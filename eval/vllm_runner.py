@@ -97,7 +97,7 @@ def run_case(case: dict) -> dict:
             params = []
             for _ in prompts:
                 params.append(SamplingParams(temperature=case.get("temperature", 0.0), top_p=case.get("top_p", 1.0),
-                                             max_tokens=case["max_tokens"], ignore_eos=True,
+                                             max_tokens=case["max_tokens"], ignore_eos=case.get("ignore_eos", True),
                                              seed=seed if case.get("temperature", 0.0) > 0 and case.get("request_seeds", True) else None))
                 seed += 1
             requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]

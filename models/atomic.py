@@ -108,10 +108,21 @@ def replace_dir(src: str | os.PathLike, dst: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def usual_modes(folder: Path) -> None:
+    """Files 0666 and folders 0777 less the umask, as `open` and `mkdir` make them: some writers (safetensors)
+    create files 0600, which a server running under another account could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextlib.contextmanager
 def atomic_dir(folder: str | os.PathLike) -> Iterator[Path]:
-    """An empty temporary folder beside `folder` to fill; on success every file in it is fsync-ed and it replaces
-    `folder` (`replace_dir`), on an exception it is deleted and `folder` is untouched."""
+    """An empty temporary folder beside `folder` to fill; on success every file in it gets the usual modes (readable
+    by others under the usual umask) and is fsync-ed, and it replaces `folder` (`replace_dir`); on an exception it
+    is deleted and `folder` is untouched."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     while True:
@@ -123,6 +134,7 @@ def atomic_dir(folder: str | os.PathLike) -> Iterator[Path]:
             continue
     try:
         yield tmp
+        usual_modes(tmp)
         fsync_tree(tmp)
         replace_dir(tmp, folder)
     except BaseException:

@@ -248,9 +248,16 @@ class Verifier(nn.Module):
                 **{k: getattr(self.config, k) for k in SHAPE_FIELDS}}
 
     def default_eagle3_layers(self) -> list[int]:
-        """vLLM's default EAGLE-3 feature layers: the inputs of layers 2, L//2 and L-3."""
+        """vLLM's default EAGLE-3 feature layers: the inputs of layers 2, L//2 and L-3. Below 7 layers those repeat
+        a layer (4 layers: 2, 2, 1), which the engines cannot serve; such shallow verifiers get three distinct
+        layers, early, middle and late: 1, L//2, L-1 (3 layers: 0, 1, 2). Exports write the ids explicitly."""
         n = self.num_layers
-        return [2, n // 2, n - 3]
+        ids = [2, n // 2, n - 3]
+        if ids[0] < ids[1] < ids[2]:
+            return ids
+        if n < 3:
+            raise VerifierError(f"verifier {self.name!r} has {n} layers; EAGLE-3 needs three distinct feature layers")
+        return [1, n // 2, n - 1] if n > 3 else [0, 1, 2]
 
     def check_layer_ids(self, layer_ids: list[int], key: str = "layer_ids") -> None:
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]

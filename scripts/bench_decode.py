@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_decode.py --out results/bench [--num-prompts 40] [--max-new-tokens 128]
         [--threads 1] [--runs runs/bench] [--temperatures 0 1] [--repeats 1] [--variants eagle3-chain4 ...]
+        [--compare vllm]
 
 Verifier: `tiny-code` (built on first use). Drafters, trained with the project's own configs if missing under
 `--runs` (or given with --medusa / --eagle1 / --eagle3 / --draft-model):
@@ -19,6 +20,12 @@ Methods (`VARIANTS`, CPU-sized; verifying N+1 tokens costs far more than one on 
 draft-model chain, Medusa chain and small trees, EAGLE-1 and EAGLE-3 chains and dynamic trees, HF generate,
 HF assisted generation with the draft model and with prompt lookup. All on the same prompts, taking turns batch by
 batch (eval/harness.py).
+
+`--compare vllm` also runs the chain variants and plain decoding in real vLLM (its CPU build, .venv-vllm:
+`bash scripts/setup_vllm.sh`) on the same verifier, drafters and prompts at T=0, at batch 1 and batch 4, and prints
+tokens/s and tau (1 + accepted / drafts) beside ours at the same batch sizes, measured in the same run (bench.json
+`vllm`). vLLM takes the first token from its prefill, our bench from its first verification step (eval/decoder.py),
+so taus differ by that step's share; the interop suite compares the counts in one convention, exactly.
 
 Writes DIR/bench.json (settings, environment, per temperature the full summary of every method, per-step time
 profile, the goals with their measured values) and DIR/T{t}/ report.md + plots; prints per method tau, speedup,
@@ -177,6 +184,69 @@ def print_tables(temperature: str, summary: dict, profile: dict) -> None:
               f"{f(r['x_autoregressive_step'])} |")
 
 
+VLLM_BATCHES = (1, 4)
+
+
+def vllm_method(variant: str) -> tuple[str | None, int] | None:
+    """(vLLM's speculative method or None for plain decoding, k) of a variant vLLM can run: plain and chains."""
+    method, drafter, options = VARIANTS[variant]
+    if method == "autoregressive":
+        return None, 0
+    if "chain" not in options or method not in ("medusa", "eagle"):
+        return None
+    return ("medusa" if method == "medusa" else drafter), options["chain"]
+
+
+def compare_vllm(args, verifier, drafters: dict, prompts: list, variants: list[str]) -> dict:
+    """Chains and plain decoding in vLLM and in our engine at VLLM_BATCHES, T = 0: tokens/s and tau side by side."""
+    from eval.harness import MethodSpec, RunSettings, run_methods
+    from eval.metrics import summarize
+    from eval.vllm_peer import VllmCase, run_vllm
+
+    chosen = [v for v in variants if vllm_method(v) is not None]
+    ids = [p[1] for p in prompts]
+    cases = []
+    for v in chosen:
+        method, k = vllm_method(v)
+        method = {"eagle1": "eagle", "eagle3": "eagle3"}.get(method, method)
+        for B in VLLM_BATCHES:
+            cases.append(VllmCase(f"{v}@{B}", str(verifier.path), drafters.get(VARIANTS[v][1]), method,
+                                  batches=[ids[i:i + B] for i in range(0, len(ids), B)], k=max(k, 1),
+                                  max_tokens=args.max_new_tokens, repeat=args.repeats, ignore_eos=False,
+                                  max_model_len=max(map(len, ids)) + args.max_new_tokens + 16))
+    say(f"[bench] vLLM: {len(cases)} runs ({', '.join(chosen)} at batch {' and '.join(map(str, VLLM_BATCHES))})")
+    theirs = {c["name"]: c for c in run_vllm(cases)["cases"]}
+    rows = []
+    for B in VLLM_BATCHES:
+        specs = [MethodSpec(VARIANTS[v][0], drafters.get(VARIANTS[v][1]), dict(VARIANTS[v][2]), label=v)
+                 for v in chosen]
+        ours = {run.label: run for run in run_methods(verifier, specs, prompts, RunSettings(
+            args.max_new_tokens, 0.0, 1.0, B, args.seed, args.repeats), desc=f"ours@{B}")}
+        for v in chosen:
+            mine, case = summarize(ours[v]), theirs[f"{v}@{B}"]
+            row = {"variant": v, "batch": B, "ours_tokens_per_s": mine["tokens_per_s"], "ours_tau": mine["tau"]}
+            if case["ok"]:
+                tokens = sum(b["tokens"] for b in case["batches"])
+                seconds = sum(b["generate_s"] for b in case["batches"])
+                drafts = sum(b["metrics"].get("vllm:spec_decode_num_drafts", 0) for b in case["batches"])
+                accepted = sum(b["metrics"].get("vllm:spec_decode_num_accepted_tokens", 0) for b in case["batches"])
+                row.update(vllm_tokens_per_s=tokens / seconds, vllm_tau=1 + accepted / drafts if drafts else 1.0)
+            else:
+                row["vllm_error"] = case.get("error")
+            rows.append(row)
+    print("\nvLLM beside our engine (T = 0, the same prompts; tokens/s of whole generate calls):\n")
+    print("| variant | batch | ours tokens/s | vLLM tokens/s | vLLM / ours | ours tau | vLLM tau |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "vllm_error" in r:
+            print(f"| {r['variant']} | {r['batch']} | {r['ours_tokens_per_s']:.1f} | refused: {r['vllm_error'][:80]} "
+                  f"| - | {r['ours_tau']:.2f} | - |")
+            continue
+        print(f"| {r['variant']} | {r['batch']} | {r['ours_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
+              f"{r['vllm_tokens_per_s'] / r['ours_tokens_per_s']:.2f} | {r['ours_tau']:.2f} | {r['vllm_tau']:.2f} |")
+    return {"rows": rows, "batches": list(VLLM_BATCHES)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -199,6 +269,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--compare", choices=["vllm"], help="also run plain decoding and the chains in real vLLM")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -245,6 +316,8 @@ def main(argv=None) -> int:
         profile = step_profile(results["summary"])
         bench["results"][str(float(t))] = {"summary": results["summary"], "step_profile": profile}
         print_tables(str(t), results["summary"], profile)
+    if args.compare == "vllm":
+        bench["vllm"] = compare_vllm(args, verifier, drafters, prompts, variants)
     bench["goals"] = goals(bench["results"])
     bench["wall_time_s"] = round(time.perf_counter() - started, 1)
     bench["environment"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]

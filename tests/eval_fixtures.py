@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def build_eval_setup(root: Path) -> Path:
+def build_eval_setup(root: Path, **size) -> Path:
     from data.prompts import load_prompts, prompt_ids
     from models.export import export_eagle
     from models.verifier import Verifier
@@ -17,7 +17,7 @@ def build_eval_setup(root: Path) -> Path:
     tok = plain_tokenizer()
     eos = tok.eos_token_id
     model = peaked_model("llama", vocab_size=512, max_position_embeddings=1024, eos_token_id=eos, pad_token_id=eos,
-                         bos_token_id=None)
+                         bos_token_id=None, **size)
     model.save_pretrained(root / "verifier")
     tok.save_pretrained(root / "verifier")
     draft = noisy_copy(model, 0.1)

@@ -67,13 +67,14 @@ def test_bad_prompt_files_name_the_row(tmp_path):
         load_prompts(path)
 
 
-def test_prompt_ids_chat_template_or_raw_text():
+def test_prompt_ids_chat_template_or_refused():
     tok = chatml_tokenizer()
     chat = Prompt("c", messages=[{"role": "user", "content": "What is a list?"}])
     ids = prompt_ids(chat, tok)
     assert tok.decode(ids) == "<|im_start|>user\nWhat is a list?<|im_end|>\n<|im_start|>assistant\n"
-    # No template: the user text, raw.
-    assert plain_tokenizer().decode(prompt_ids(chat, plain_tokenizer())) == "What is a list?"
+    # No template: refused, as training refuses chat data without one (raw text is not what the verifier is served)
+    with pytest.raises(DataError, match="prompt 'c' is a chat prompt but the verifier's tokenizer has no chat template"):
+        prompt_ids(chat, plain_tokenizer())
     assert tok.decode(prompt_ids(chat, plain_tokenizer(), chat_template="chatml")).endswith("assistant\n")
     text = Prompt("t", text="def f(x):\n")
     assert tok.decode(prompt_ids(text, tok)) == "def f(x):\n"

@@ -431,7 +431,7 @@ def test_layer_ids_are_validated_against_the_verifier(verifiers):
         build_drafter(verifiers["llama"], EagleConfig(layer_ids=[0, 1, 4]))
     drafter = build_drafter(verifiers["llama"], EagleConfig(layer_ids=[0, 1, 3]))
     assert drafter.feature_layers == [0, 1, 3]
-    assert build_drafter(verifiers["llama"], EagleConfig()).feature_layers == [2, 2, 1]  # 2, L//2, L-3
+    assert build_drafter(verifiers["llama"], EagleConfig()).feature_layers == [1, 2, 3]  # 4 layers: not 2, 2, 1
 
 
 def test_small_draft_vocab_needs_token_counts(verifiers):

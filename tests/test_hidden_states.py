@@ -107,7 +107,7 @@ def test_eagle3_offline_training_equals_online(verifier_dir, text_rows, tmp_path
     dump(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "unused")), cache, dtype="float32", rows_per_shard=4,
          say=quiet)
     index = read_index(cache)
-    assert index["method"] == "eagle3" and index["layer_ids"] == [2, 2, 1]  # 4-layer verifier: 2, L//2, L-3
+    assert index["method"] == "eagle3" and index["layer_ids"] == [1, 2, 3]  # 4-layer verifier: 1, L//2, L-1
     main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "offline", "--features=offline",
                                 f"--feature_cache={cache}")))
     assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
@@ -142,9 +142,10 @@ def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_p
     train, _ = cached_datasets(cfg_with_cache(cfg, tmp_path / "cache"))
     row = train[0]
     verifier = Verifier.from_pretrained(verifier_dir)
-    feats = verifier.features(row["input_ids"][None].long(), row["attention_mask"][None].long(), layer_ids=[2, 1])
+    layer_ids = index["layer_ids"]  # the cache's order: stored layer i is layer_ids[i]'s input
+    feats = verifier.features(row["input_ids"][None].long(), row["attention_mask"][None].long(), layer_ids=layer_ids)
     torch.testing.assert_close(row["final"].float(), feats.final[0], rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(row["layers"][2].float(), feats.layers[1][0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(row["layers"][2].float(), feats.layers[2][0], rtol=1e-2, atol=1e-2)
     loader = torch.utils.data.DataLoader(train, batch_size=2, num_workers=1)  # workers reopen the shards
     assert torch.equal(next(iter(loader))["final"][0], row["final"])
 

@@ -197,7 +197,7 @@ def test_shipped_configs_parse(name):
 @pytest.mark.slow
 def test_accelerate_launch_subprocess(verifier_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "OMP_NUM_THREADS": "1"}
-    args = small_args(verifier_dir, tmp_path / "run", "--train.max_steps=2")
+    args = small_args(verifier_dir, tmp_path / "run", "--train.max_steps=2", "--train.warmup_steps=1")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes=1", "--num_machines=1",
            "--mixed_precision=no", "--dynamo_backend=no", "train/medusa.py",
            "--config", "configs/medusa-tiny.yaml", *args]

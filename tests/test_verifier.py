@@ -60,7 +60,7 @@ def test_fingerprint_is_stable_across_dtypes_and_differs_between_models(tmp_path
 
 def test_default_eagle3_layers_and_range_check(llama_dir):
     verifier = Verifier.from_pretrained(llama_dir)
-    assert verifier.default_eagle3_layers() == [2, 2, 1]  # 4 layers: 2, 4//2, 4-3
+    assert verifier.default_eagle3_layers() == [1, 2, 3]  # 4 layers: vLLM's 2, L//2, L-3 would repeat layer 2
     with pytest.raises(VerifierError, match=r"\[4\] out of range.*4 layers"):
         verifier.features(torch.zeros(1, 3, dtype=torch.long), layer_ids=[1, 4])
 

@@ -17,11 +17,16 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from models.atomic import fsync_tree, replace_dir
+from models.atomic import fsync_tree, replace_dir, usual_modes
+from train.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
 STATE_FILE = "train_state.json"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions); the message names it and what is intact."""
 
 
 @dataclass
@@ -64,7 +69,7 @@ def resolve_resume(resume: str, output_dir: str | os.PathLike) -> Path | None:
         return found[-1] if found else None
     path = Path(resume)
     if not (path / MARKER).is_file() or not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(
+        raise ConfigError(
             f"train.resume={resume!r}: not a complete checkpoint folder (expected {MARKER} and {STATE_FILE} inside)")
     return path
 
@@ -73,14 +78,28 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, state: TrainStat
     """Write step-NNNNNN/ atomically on all processes, then prune old ones. Collective: every process calls it."""
     final = step_dir(output_dir, state.step)
     tmp = final.with_name(f".{final.name}.tmp")
+    try:
+        _write(accelerator, output_dir, state, keep_last, final, tmp)
+    except OSError as err:  # disk full, permissions, quota: name the step and what is still there
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = complete_checkpoints(output_dir)
+        kept = f"the last complete checkpoint {last[-1].name} is intact" if last else "no checkpoint was written yet"
+        raise CheckpointWriteError(f"{err.strerror or err} writing {final} ({err.filename or tmp}): {kept}; free the "
+                                   "space or fix the folder, then rerun the same command to continue") from None
+    return final
+
+
+def _write(accelerator, output_dir, state: TrainState, keep_last: int, final: Path, tmp: Path) -> None:
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash mid-write
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
+    _full_disk_hook(state.step)
     accelerator.save_state(str(tmp), safe_serialization=True)
     accelerator.wait_for_everyone()  # every rank's RNG file is on disk before the rename
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
+        usual_modes(tmp)  # safetensors writes 0600; a checkpoint is read back by whoever resumes
         fsync_tree(tmp)
         _crash_hook(state.step, "before_marker")
         (tmp / MARKER).write_text("ok\n")
@@ -90,7 +109,6 @@ def save_checkpoint(accelerator, output_dir: str | os.PathLike, state: TrainStat
         for old in complete_checkpoints(output_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
-    return final
 
 
 def load_checkpoint(accelerator, path: Path) -> TrainState:
@@ -100,6 +118,16 @@ def load_checkpoint(accelerator, path: Path) -> TrainState:
 
 
 CRASH_HOOK = "DRAFTHEADS_TEST_CHECKPOINT_KILL"
+FULL_DISK_HOOK = "DRAFTHEADS_TEST_CHECKPOINT_ENOSPC"
+
+
+def _full_disk_hook(step: int) -> None:
+    """Tests only: `DRAFTHEADS_TEST_CHECKPOINT_ENOSPC=<step>` makes the checkpoint of `step` fail as a full disk does
+    (OSError ENOSPC from the write)."""
+    if os.environ.get(FULL_DISK_HOOK) == str(step):
+        import errno
+
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(step_dir(".", step).name))
 
 
 def _crash_hook(step: int, point: str) -> None:

@@ -7,6 +7,7 @@ one line (no traceback).
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 from typing import TypeVar
@@ -19,27 +20,72 @@ C = TypeVar("C")
 
 def main_guard(fn, cls: type[C], argv: list[str] | None = None):
     """Run `fn(cfg)` after parsing. A ConfigError prints one line and exits 2, like argparse does; a bad input found
-    during the run (the project's own errors, which name the file / row / key to fix) prints one line and exits 1."""
+    during the run (the project's own errors, which name the file / row / key to fix) or a fault of the environment
+    (OSError: disk full, permissions) prints one line and exits 1."""
     try:
         cfg = parse_config(cls, argv, prog=Path(sys.argv[0]).name)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:  # a scheduler's SIGTERM ends the run like Ctrl-C: one line (only the main thread may set handlers)
+        previous = signal.signal(signal.SIGTERM, _stop)
+    except ValueError:
+        previous = None
     try:
         return fn(cfg)
+    except KeyboardInterrupt as err:
+        name = "SIGTERM" if isinstance(err, Stopped) else "SIGINT (Ctrl-C)"
+        print(f"stopped by {name}: {kept(cfg.output_dir)}", file=sys.stderr)
+        raise SystemExit(143 if isinstance(err, Stopped) else 130) from None
     except ConfigError as err:  # found once the run started (e.g. an option this machine cannot honour)
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     except _user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
+    except OSError as err:  # the environment: a full disk, a folder made read-only, a file gone
+        print(f"error: {os_error_line(err)}", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so the run stops like Ctrl-C (checkpoints on disk stay as they are)."""
+
+
+def _stop(signum, frame):
+    raise Stopped()
+
+
+def kept(output_dir) -> str:
+    from train.checkpoint import complete_checkpoints
+
+    last = complete_checkpoints(output_dir)
+    if not last:
+        return f"no checkpoint was written yet in {output_dir}; rerunning the same command starts again"
+    return (f"the last complete checkpoint {last[-1]} is intact; rerunning the same command continues from it "
+            "(a half-written one is never picked up)")
+
+
+def os_error_line(err: OSError) -> str:
+    """One line for an environment fault during a run: what failed, on which file, and what is kept."""
+    from train.checkpoint import CheckpointWriteError
+
+    if isinstance(err, CheckpointWriteError):
+        return str(err)
+    where = f" ({err.filename})" if err.filename else ""
+    return (f"{err.strerror or err}{where}; the checkpoints already written are complete, and rerunning the same "
+            "command continues from the newest")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message is the whole story (no traceback helps the user)."""
     from data.config import DataError
+    from data.hidden_states import CacheError
     from models.eagle import EagleError
     from models.export import DrafterFormatError
     from models.verifier import VerifierError
 
-    return DataError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError
+    return DataError, CacheError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError

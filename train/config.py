@@ -80,6 +80,9 @@ class TrainConfig:
             raise ConfigError(f"train.lr={self.lr}: expected > 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio}: expected a value in [0, 1]")
+        if self.warmup_steps >= self.max_steps:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} >= train.max_steps={self.max_steps}: the run "
+                              "would end before its warm-up does; lower train.warmup_steps (e.g. to a tenth of the run)")
 
 
 @dataclass

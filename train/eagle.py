@@ -51,7 +51,7 @@ from train.loaders import get_dataloaders
 from train.loop import TrainLoop
 from train.optim import build_optimizer, cosine_schedule
 from train.placement import load_verifier, unsharded
-from train.tracking import build_accelerator, log_table
+from train.tracking import build_accelerator, log_table, start_tracking
 
 @dataclass
 class EagleRunConfig(RunConfig):
@@ -104,6 +104,7 @@ def main(cfg: EagleRunConfig) -> dict:
     # FSDP: the verifier's decoder layers sharded over the processes (train.placement.shard_verifier); otherwise whole.
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
+    start_tracking(accelerator, cfg)  # wandb only now: the verifier, its tokenizer and the data passed their checks
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
         f"{cfg.data.seq_len} tokens ({cfg.data.source})")
 

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from train.config import RunConfig
+from train.config import ConfigError, RunConfig
 
 
 class EpochSampler(Sampler[int]):
@@ -36,7 +36,7 @@ class EpochSampler(Sampler[int]):
 def make_dataloaders(train_ds, eval_ds, cfg: RunConfig, collate: Callable) -> tuple[DataLoader, DataLoader]:
     """Loaders over tokenised datasets; drop_last so every process sees whole batches."""
     if len(train_ds) < cfg.train.batch_size:
-        raise ValueError(
+        raise ConfigError(
             f"training data has {len(train_ds)} sequences, fewer than train.batch_size={cfg.train.batch_size}; "
             "add data or lower the batch size")
     # Own generators: a loader without one draws its workers' base seed from the global RNG each time an iterator

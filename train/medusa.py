@@ -49,7 +49,7 @@ from train.loaders import get_dataloaders
 from train.loop import TrainLoop
 from train.optim import build_optimizer, cosine_schedule
 from train.placement import load_verifier, sharded_weights, unsharded
-from train.tracking import build_accelerator, log_table
+from train.tracking import build_accelerator, log_table, start_tracking
 
 
 @dataclass
@@ -195,7 +195,7 @@ def log_head_table(accelerator, result: HeldOut, step: int) -> list[list]:
 # ---- the run ---------------------------------------------------------------------------------------------------
 def main(cfg: MedusaRunConfig) -> dict:
     started = time.perf_counter()
-    accelerator = build_accelerator(cfg)  # mixed precision, grad accumulation, wandb; writes config.yaml
+    accelerator = build_accelerator(cfg)  # mixed precision, grad accumulation; claims the run folder (lock, record)
     if cfg.medusa.joint and sharded_weights(accelerator):
         raise ConfigError("medusa.joint=true (Medusa-2) under FSDP or DeepSpeed ZeRO-3 is not supported: the LoRA "
                           "adapters live in the verifier, which these backends would shard; use multi_gpu.yaml or "
@@ -203,6 +203,7 @@ def main(cfg: MedusaRunConfig) -> dict:
     # Frozen, eval mode; under FSDP its decoder layers sharded over the processes (train.placement.shard_verifier).
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
+    start_tracking(accelerator, cfg)  # wandb only now: the verifier, its tokenizer and the data passed their checks
 
     # Heads in fp32 (the master weights; autocast runs their matmuls in bf16 under mixed precision), each a copy of
     # the verifier's lm_head behind identity ResBlocks.

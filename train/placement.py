@@ -32,10 +32,14 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
                                         trust_remote_code=cfg.trust_remote_code)
     if shard:
         shard_verifier(verifier, accelerator, device)
+    check_tokenizer_files(verifier.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
         raise VerifierError(f"verifier folder {str(verifier.path)!r}: cannot load its tokenizer ({err})") from None
+    if len(tokenizer) < 2:
+        raise VerifierError(f"verifier folder {str(verifier.path)!r}: its tokenizer has {len(tokenizer)} token(s); "
+                            "the tokenizer files are incomplete (copy them from the model's repository)")
     context = getattr(verifier.config, "max_position_embeddings", None)
     if context and cfg.data.seq_len > context:
         raise ConfigError(
@@ -46,6 +50,21 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
             f"tokenizer of {str(verifier.path)!r} has {len(tokenizer)} tokens but the verifier's vocab_size is "
             f"{verifier.vocab_size}; the tokenizer does not belong to this model")
     return verifier, tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")
+
+
+def check_tokenizer_files(folder) -> None:
+    """A verifier folder must carry its tokenizer: without one, transformers can build a one-token tokenizer from
+    tokenizer_config.json alone, and a run would train on nothing and exit 0."""
+    from pathlib import Path
+
+    from models.verifier import VerifierError
+
+    if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
+        raise VerifierError(f"verifier folder {str(folder)!r} has no tokenizer files (expected one of "
+                            f"{', '.join(TOKENIZER_FILES)}); copy the tokenizer from the model's repository")
 
 
 def is_sharded(module: torch.nn.Module) -> bool:

@@ -1,7 +1,7 @@
 """The run's Accelerator and its experiment tracking: one `Accelerator` per run (mixed precision, gradient
-accumulation, the launch's processes), wandb through Accelerate's tracker (offline unless an API key is
-configured), per-step tables. The resolved config is written to the run folder here, once the launch is known to
-be sane.
+accumulation, the launch's processes), which claims the run folder (train/run_folder.py: lock, record, config.yaml)
+before anything is loaded; wandb through Accelerate's tracker (offline unless an API key is configured), started by
+`start_tracking` only once the verifier and the data passed their checks, so a failed attempt leaves no wandb run.
 """
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from pathlib import Path
 import torch
 
 from eval.report import wandb_mode
-from train.config import ConfigError, RunConfig, config_dict, save_config
+from train.config import ConfigError, RunConfig, config_dict
+from train.run_folder import claim_run_folder
 
 
 def build_accelerator(cfg: RunConfig):
-    """One Accelerator per run: mixed precision, gradient accumulation, wandb tracking (offline without a key)."""
+    """One Accelerator per run (mixed precision, gradient accumulation), its launch checked and its run folder
+    claimed; trackers are configured but start with `start_tracking`."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -45,11 +47,14 @@ def build_accelerator(cfg: RunConfig):
             f"the accelerate launch config sets gradient_accumulation_steps={accelerator.gradient_accumulation_steps} "
             f"but train.grad_accum={cfg.train.grad_accum}; make them equal")
     set_seed(cfg.train.seed)
-    if log_with:
-        init_wandb(accelerator, cfg)
-    if accelerator.is_main_process:
-        save_config(cfg, cfg.output_dir)
+    claim_run_folder(accelerator, cfg)  # one run per folder: lock, record, config.yaml; before anything is loaded
     return accelerator
+
+
+def start_tracking(accelerator, cfg: RunConfig) -> None:
+    """wandb (when enabled), once everything before training was checked."""
+    if accelerator.log_with:
+        init_wandb(accelerator, cfg)
 
 
 def init_wandb(accelerator, cfg: RunConfig) -> None:

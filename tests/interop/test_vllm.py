@@ -256,3 +256,24 @@ def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vll
     theirs = torch.tensor(result["logits"])
     assert theirs.shape == ours.shape
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4)
+
+
+def test_bench_decode_compares_with_vllm(tmp_path, vllm_ready, capsys):
+    """`scripts/bench_decode.py --compare vllm`: vLLM's tokens/s and tau beside ours, batch 1 and 4, one run."""
+    import json
+
+    from tests.eval_fixtures import build_eval_setup
+    from tests.test_bench_decode import script
+
+    setup = build_eval_setup(tmp_path / "setup", hidden_size=128)
+    out = tmp_path / "bench"
+    assert script("bench_decode").main([
+        "--out", str(out), "--verifier", str(setup / "verifier"), "--eagle3", str(setup / "eagle3"),
+        "--num-prompts", "4", "--max-new-tokens", "16", "--temperatures", "0", "--variants", "eagle3-chain4",
+        "--compare", "vllm"]) == 0
+    rows = json.loads((out / "bench.json").read_text())["vllm"]["rows"]
+    assert {(r["variant"], r["batch"]) for r in rows} == {(v, b) for v in ("autoregressive", "eagle3-chain4")
+                                                          for b in (1, 4)}
+    assert all(r["vllm_tokens_per_s"] > 0 and r["ours_tokens_per_s"] > 0 for r in rows), rows
+    assert all(r["vllm_tau"] == 1.0 for r in rows if r["variant"] == "autoregressive")
+    assert "| eagle3-chain4 | 4 |" in capsys.readouterr().out
