@@ -164,18 +164,37 @@ def test_launch_config_grad_accum_must_match_the_run_config(tmp_path, monkeypatc
 
 
 # ---- the numerical guard, end to end -------------------------------------------------------------------------
-def test_nonfinite_losses_stop_the_run_with_the_last_good_checkpoint_intact(tmp_path, verifier_dir):
+def test_nonfinite_losses_stop_the_run_with_the_last_good_checkpoint_intact(tmp_path, verifier_dir, monkeypatch):
+    from train.loop import TrainLoop
+
     out = tmp_path / "run"
-    train_eagle(*eagle_args(verifier_dir, out))  # 4 good steps, checkpoints at 2 and 4
+    verifier = copy_verifier(verifier_dir, tmp_path / "verifier")
+    args = eagle_args(verifier, out, "--train.max_steps=12", "--train.max_bad_steps=3")
+
+    class Stop(Exception):
+        pass
+
+    save = TrainLoop.save
+
+    def save_then_stop(loop):  # 4 good steps, checkpoints at 2 and 4, then the run is interrupted
+        path = save(loop)
+        if loop.state.step == 4:
+            raise Stop()
+        return path
+
+    monkeypatch.setattr(TrainLoop, "save", save_then_stop)
+    with pytest.raises(Stop):
+        train_eagle(*args)
+    monkeypatch.undo()
     good = (out / "step-000004" / "model.safetensors").read_bytes()
 
-    poisoned = copy_verifier(verifier_dir, tmp_path / "nan-verifier")  # every feature it produces is NaN
+    poisoned = verifier  # the same run's verifier, now producing NaN features everywhere
     tensors = load_file(poisoned / "model.safetensors")
     tensors["model.embed_tokens.weight"][:] = float("nan")
     save_file(tensors, poisoned / "model.safetensors")
     with pytest.raises(NonFiniteLossError, match=r"3 consecutive steps had a non-finite loss \(train.max_bad_steps=3"
                                                  r"\); stopping. Last good checkpoint: .*step-000004"):
-        train_eagle(*eagle_args(poisoned, out, "--train.max_steps=12", "--train.max_bad_steps=3"))
+        train_eagle(*args)
 
     assert [p.name for p in complete_checkpoints(out)] == ["step-000002", "step-000004"]
     assert (out / "step-000004" / "model.safetensors").read_bytes() == good

@@ -29,7 +29,8 @@ def write(tmp_path, text):
 
 
 def test_yaml_then_cli_overrides(tmp_path):
-    path = write(tmp_path, "verifier: tiny-micro\noutput_dir: runs/x\ntrain:\n  max_steps: 5\ntoy:\n  num_heads: 2\n")
+    path = write(tmp_path, "verifier: tiny-micro\noutput_dir: runs/x\ntrain:\n  max_steps: 5\n  warmup_steps: 1\n"
+                           "toy:\n  num_heads: 2\n")
     cfg = parse_config(ToyRun, ["--config", path, "--train.max_steps=7", "--toy.num_heads=3"])
     assert isinstance(cfg, ToyRun)
     assert (cfg.verifier, cfg.train.max_steps, cfg.toy.num_heads) == ("tiny-micro", 7, 3)

@@ -70,7 +70,7 @@ def test_eagle1_export_matches_spec(tmp_path, verifiers):
         export_eagle(make(verifier, 1, fc_bias=True), tmp_path / "e1b", verifier)
     assert not (tmp_path / "e1b").exists()
     biased = export_eagle(make(verifier, 1, fc_bias=True), tmp_path / "e1s", verifier, engine="sglang")
-    assert tuple(read(biased)[1]["fc.bias"].shape) == (H,) and read(biased)[0]["bias"] is True
+    assert tuple(read(biased)[1]["fc.bias"].shape) == (H,) and read(biased)[0]["bias"] is False
 
 
 def test_eagle3_export_matches_spec(tmp_path, verifiers):
@@ -120,7 +120,8 @@ def test_sglang_flavour(tmp_path, verifiers):
     assert "midlayer.self_attn.q_proj.weight" in tensors and not any(k.startswith("layers.") for k in tensors)
     config, tensors = read(export_eagle(make(verifier, 1, fc_bias=False), tmp_path / "s1", verifier,
                                         engine="sglang"))
-    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["bias"] is True
+    # bias false: SGLang's attention reads `attention_bias or bias`; its fc has a bias whatever the config says
+    assert config["architectures"] == ["LlamaForCausalLMEagle"] and config["bias"] is False
     assert torch.equal(tensors["fc.bias"], torch.zeros(H))  # SGLang's EAGLE-1 fc always has a bias
     with pytest.raises(ValueError, match="layer 0"):
         export_eagle(make(verifier, 3, layer_ids=[0, 1, 2]), tmp_path / "s0", verifier, engine="sglang")
@@ -371,3 +372,16 @@ def test_engine_rules_apply_when_the_run_config_is_read():
         parse_config(EagleRunConfig, ["--config", str(configs / "eagle1-tiny.yaml"), "--engine=speculators"])
     assert parse_config(EagleRunConfig, [*base, "--engine=sglang"]).eagle.qkv_bias is False  # SGLang has none
     assert parse_config(EagleRunConfig, base).eagle.qkv_bias is None  # vLLM: as the verifier's family
+
+
+def test_a_folder_under_another_layout_than_it_records_is_refused(tmp_path, verifiers):
+    """The export records its layout; a folder whose files are in another (a vLLM export relabelled sglang, as a
+    hand conversion might leave it) is refused rather than read under the wrong names or layer ids."""
+    verifier = verifiers["llama"]
+    folder = export_eagle(make(verifier, 3, layer_ids=[1, 2, 3]), tmp_path / "e3", verifier)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["draftheads"]["engine"] == "vllm"
+    config["draftheads"]["engine"] = "sglang"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterFormatError, match="missing weight 'midlayer"):
+        load_eagle(folder, verifier)

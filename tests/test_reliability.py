@@ -333,7 +333,7 @@ def table(root: Path, rows) -> str:
         shown = clean(shorten(case).format(v="<verifier>", tmp="<tmp>", data="<data.jsonl>"))
         line = clean(lines[0] if lines else "")
         line = re.sub(r"pid \d+ on \S+, since [\d: -]+", "pid N on HOST, since TIME", line)
-        out.append(f"| {i} | {case.what} | `{shown}` | exit {code}: `{line.replace('|', '/')}` |")
+        out.append(f"| {i} | {case.what} | `{shown}` | exit {code}: {line.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 

@@ -166,13 +166,15 @@ def test_medusa2_exports_an_adapter_that_loads_back(verifier_dir, tmp_path):
 
 
 def test_distill_loss_runs(verifier_dir, tmp_path):
-    summary = run(verifier_dir, tmp_path, "--medusa.loss=distill", "--train.max_steps=2", "--train.eval_every=0")
+    summary = run(verifier_dir, tmp_path, "--medusa.loss=distill", "--train.max_steps=2", "--train.warmup_steps=1",
+                  "--train.eval_every=0")
     assert summary["loss"] == "distill" and summary["steps"] == 2
 
 
 def test_wandb_offline_writes_a_run_folder(verifier_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    run(verifier_dir, tmp_path, "--wandb.enabled=true", "--train.max_steps=2", "--train.eval_every=0")
+    run(verifier_dir, tmp_path, "--wandb.enabled=true", "--train.max_steps=2", "--train.warmup_steps=1",
+        "--train.eval_every=0")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 

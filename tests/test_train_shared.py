@@ -75,7 +75,8 @@ def test_resume_restores_the_random_stream_a_training_step_draws_from(tmp_path):
     def train(folder, crash_at=None):
         reset_accelerate()
         cfg = RunConfig(output_dir=str(folder), wandb=WandbConfig(enabled=False),
-                        train=TrainConfig(max_steps=8, batch_size=2, save_every=3, log_every=1, lr=0.1))
+                        train=TrainConfig(max_steps=8, batch_size=2, save_every=3, log_every=1, lr=0.1,
+                                          warmup_steps=1))
         accelerator = build_accelerator(cfg)
         model = nn.Linear(3, 1)
         optimizer = build_optimizer(model, cfg)

@@ -5,8 +5,9 @@
     written as `midlayer.*` (EAGLE-1 keeps `layers.0.*`).
   - Layer ids: SGLang adds 1 to explicit aux layer ids (its ids are layer *outputs*), so we write ours - 1; layer 0
     (the embeddings) cannot be expressed.
-  - EAGLE-1: the class is `LlamaForCausalLMEagle` and always has an fc bias (`bias: true`; a zero fc.bias when
-    trained without one).
+  - EAGLE-1: the class is `LlamaForCausalLMEagle`; its fc always has a bias (a zero fc.bias is written when the
+    drafter has none), and `bias` must stay false: its Llama attention reads `attention_bias or bias`, so `bias:
+    true` would build q/k/v/o biases that no tensor fills (found by running SGLang 0.5.23's own loader).
   - EAGLE-3 (0.5.23): layer 0's qkv_proj is built without a bias and the loader skips unknown names, so q/k/v
     biases would be dropped silently: refused (`check`), and left out by default for this engine (`resolve`).
     There is no `norm_before_residual` (the residual is always the un-normed fc output): refused when true.
@@ -52,7 +53,9 @@ def resolve(cfg) -> None:
 
 def config(drafter, verifier=None, num_speculative_tokens: int = 3) -> dict:
     if drafter.version == 1:
-        return {"architectures": ["LlamaForCausalLMEagle"], **llama_draft.config(drafter), "bias": True}
+        # SGLang's EAGLE-1 fc always has a bias (nn.Linear's default) whatever the config says, while its Llama
+        # attention reads `attention_bias or bias`: `bias: true` would build q/k/v/o biases no tensor fills
+        return {"architectures": ["LlamaForCausalLMEagle"], **llama_draft.config(drafter), "bias": False}
     ids = list(drafter.layer_ids)
     if min(ids) < 1:
         raise EagleError(f"layer ids {ids}: SGLang names the features by the layer that *outputs* them "
