@@ -59,13 +59,13 @@ class Report:
 
 def detect_method(folder: Path) -> tuple[str | None, bool]:
     """(vLLM method or None for a speculators folder, whether it is a speculators folder) from config.json."""
+    from models.layouts.folder import DrafterFormatError, read_config
+
     path = folder / "config.json"
-    if not path.is_file():
-        raise UsageError(f"--draft {folder}: no config.json; expected a drafter folder")
     try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise UsageError(f"{path}: not valid JSON ({err})") from None
+        config = read_config(folder)
+    except DrafterFormatError as err:
+        raise UsageError(f"--draft {folder}: {err}") from None
     if config.get("speculators_config") is not None:
         return None, True
     arch = " ".join(config.get("architectures") or [])

@@ -52,6 +52,20 @@ def write_drafter(folder: str | os.PathLike, config: dict, tensors: dict[str, to
     return folder
 
 
+def read_config(folder: str | os.PathLike) -> dict:
+    """A drafter folder's config.json (ours or another trainer's); errors name the folder or file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DrafterFormatError(f"drafter folder {str(folder)!r} does not exist")
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise DrafterFormatError(f"drafter folder {str(folder)!r} has no {CONFIG_NAME}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DrafterFormatError(f"{path}: not valid JSON ({err})") from None
+
+
 def read_drafter(folder: str | os.PathLike, expect_method: str | tuple[str, ...] | None = None
                  ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read a drafter folder: (config dict, tensors on CPU). Errors name the file and what was expected."""
@@ -59,16 +73,10 @@ def read_drafter(folder: str | os.PathLike, expect_method: str | tuple[str, ...]
     from safetensors.torch import load_file
 
     folder = Path(folder)
-    if not folder.is_dir():
-        raise DrafterFormatError(f"drafter folder {str(folder)!r} does not exist")
+    config = read_config(folder)
     config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    for path in (config_path, weights_path):
-        if not path.is_file():
-            raise DrafterFormatError(f"drafter folder {str(folder)!r} has no {path.name}")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise DrafterFormatError(f"{config_path}: not valid JSON ({err})") from None
+    if not weights_path.is_file():
+        raise DrafterFormatError(f"drafter folder {str(folder)!r} has no {weights_path.name}")
     try:
         tensors = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
