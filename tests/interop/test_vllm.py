@@ -116,6 +116,19 @@ def interop(tmp_path_factory, vllm_ready):
         ours[name] = [dec.generate(batch, MAX_NEW, eos_token_id=None) for batch in BATCHES]
     result = run_vllm([c for c, _ in plan.values()])
     theirs = {c["name"]: c for c in result["cases"]}
+    print(f"\nvLLM {result['vllm']}: case | loaded | outputs equal plain greedy | accepted (ours / vLLM)")
+    for name in plan:  # what the closing notes quote: `pytest tests/interop/test_vllm.py -s -k decodes`
+        case = theirs[name]
+        if not case["ok"]:
+            print(f"{name} | REFUSED: {case.get('error')}")
+            continue
+        batches = list(zip(BATCHES, ours[name], case["batches"]))
+        refs = references[f"{name.split('-')[0]}-merged" if name.endswith("medusa2") else name.split("-")[0]]
+        equal = sum(o == refs[tuple(p)] for batch, _, b in batches for p, o in zip(batch, b["outputs"]))
+        total = sum(len(batch) for batch in BATCHES)
+        mine = sum(sum(map(sum, r.stats.accepted)) for _, r, _ in batches)
+        vllm = sum(b["metrics"]["vllm:spec_decode_num_accepted_tokens"] for _, _, b in batches)
+        print(f"{name} | yes | {equal} of {total} | {mine} / {vllm}")
     return {"ours": ours, "vllm": theirs, "references": references}
 
 
