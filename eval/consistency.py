@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from eval.metrics import per_position_acceptance, tau
+from eval.runtime import SUPPORTED_MODEL_TYPES
 
 
 class ConsistencyError(RuntimeError):
@@ -92,6 +93,10 @@ def prompts_from_rows(input_ids, num_prompts: int = 4, prompt_tokens: int = 64, 
     return prompts
 
 
+GENERIC_EAGLE_CHAIN = 4
+"""EAGLE's chain length in the check when the verifier runs on the generic path (which verifies chains only)."""
+
+
 @torch.inference_mode()
 def check_export(drafter, export_dir: str | os.PathLike, verifier, prompts: list[list[int]], method: str | None = None,
                  max_new_tokens: int = 32, tolerance: float = 0.0, tree=None, **options) -> ConsistencyResult:
@@ -107,6 +112,12 @@ def check_export(drafter, export_dir: str | os.PathLike, verifier, prompts: list
     if not (export_dir / "config.json").is_file():
         raise ConsistencyError(f"{export_dir}: no exported drafter there (config.json missing)")
     memory_verifier = export_verifier = verifier
+    if verifier.config.model_type not in SUPPORTED_MODEL_TYPES:  # the generic path verifies chains only
+        if method == "medusa":
+            options.setdefault("chain", True)
+            tree = None
+        elif method == "eagle":
+            options.setdefault("chain", GENERIC_EAGLE_CHAIN)
     memory_options = dict(options)
     if method == "medusa":
         memory_verifier, export_verifier = _medusa_verifiers(verifier)

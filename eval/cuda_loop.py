@@ -347,6 +347,10 @@ class FusedDecoder:
     def __init__(self, decoder: SpeculativeDecoder, graphs: bool | None = None, buckets: Buckets = Buckets(),
                  backend: str = "auto", capture_drafter: bool | None = None, sync_timings: bool = False,
                  strict_graphs: bool = False):
+        if getattr(decoder.runner, "generic", False):
+            raise ValueError(f"the fused loop runs on the static-cache runtime; verifier model_type "
+                             f"{decoder.verifier.config.model_type!r} runs on the generic path (use the unfused "
+                             "decoder)")
         if decoder.first_token != "draft":
             raise ValueError(f"the fused loop takes its first token from the first verification step; this decoder "
                              f"has first_token={decoder.first_token!r} (use the unfused decoder for that)")

@@ -44,7 +44,8 @@ from eval.eagle_drafter import make_eagle
 from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
 from eval.medusa_drafter import make_medusa
 from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
-from eval.runtime import ModelRunner, RunnerOutput, bucket, causal_mask
+from eval.generic_runtime import is_generic, make_runner
+from eval.runtime import RunnerOutput, UnsupportedModelError, bucket, causal_mask
 from eval.tree import tree_attention_mask
 
 # ---- method registry ---------------------------------------------------------------------------------------------
@@ -101,6 +102,18 @@ def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **o
 FIRST_TOKEN = ("draft", "prefill")
 
 
+def check_generic(verifier, drafter: Drafter, method: str) -> None:
+    """A verifier on the generic path (eval/generic_runtime.py) verifies chains, with logits = lm_head(final)."""
+    model_type = verifier.config.model_type
+    if drafter.max_depth != drafter.num_draft_tokens:
+        raise UnsupportedModelError(
+            f"verifier model_type {model_type!r} runs on the generic path, which verifies chains only; method "
+            f"{method!r} drafts a tree here ({drafter.num_draft_tokens} nodes, depth {drafter.max_depth}): ask for "
+            "a chain (option chain=N for medusa or eagle, num_draft_tokens=N for draft-model; eval CLI: "
+            "--option chain=N)")
+    verifier.check_head(f"the generic path's verification ({method})")
+
+
 # ---- the decoder -------------------------------------------------------------------------------------------------
 class SpeculativeDecoder:
     """A verifier, a drafter, a static KV cache, and the decode loop (`prefill`, `draft`, `verify`, `accept`,
@@ -115,7 +128,9 @@ class SpeculativeDecoder:
         self.verifier = verifier
         self.drafter = drafter if drafter is not None else NoDrafter()
         self.method = method or self.drafter.name
-        self.runner = ModelRunner(verifier.model, "verifier")
+        self.runner = make_runner(verifier.model, "verifier")
+        if is_generic(self.runner):
+            check_generic(verifier, self.drafter, self.method)
         self.window_bucket = window_bucket
         self.sync_timings = sync_timings
         """Synchronise the device around timed phases (exact per-phase timings on CUDA, slightly slower)."""

@@ -12,7 +12,8 @@ from torch import nn
 
 from eval.acceptance import exponential_noise, probs_from_logits
 from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
-from eval.runtime import ModelRunner, bucket, causal_mask
+from eval.generic_runtime import is_generic, make_runner
+from eval.runtime import UnsupportedModelError, bucket, causal_mask
 from eval.tree import Tree, tree_attention_mask
 
 
@@ -167,7 +168,11 @@ class DraftModelDrafter(Drafter):
         self.num_draft_tokens = self.tree.num_nodes - 1
         self.max_depth = self.tree.max_depth
         self.tree_sampling = tree_sampling
-        self.runner = ModelRunner(model, "draft model")
+        self.runner = make_runner(model, "draft model")
+        if is_generic(self.runner) and not self.tree.is_chain:
+            raise UnsupportedModelError(
+                f"draft model model_type {model.config.model_type!r} runs on the generic path, which drafts chains "
+                f"only; branching={self.branching} is a tree: pass num_draft_tokens=N instead")
         self.vocab_size = vocab_size
         # Breadth-first numbering: the nodes of depth d are one consecutive range.
         depth = self.tree.depth[0].tolist()

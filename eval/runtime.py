@@ -17,7 +17,8 @@ layer, and leaves every buffer at a fixed address for CUDA graphs later. One sub
 forward routes attention to `sdpa_gqa_attention`, the same SDPA call with `enable_gqa` instead of Hugging Face's
 copy of every kv head per query group (which its sdpa path makes whenever a mask is given). The price is depending
 on the decoder layer's call signature (`hidden_states, attention_mask=, position_embeddings=, position_ids=,
-cache=`), shared by the families in `SUPPORTED_MODEL_TYPES`; any other model type gets a clear error.
+cache=`), shared by the families in `SUPPORTED_MODEL_TYPES`; any other model type runs on the generic path
+(eval/generic_runtime.py: the model's own forward and cache, chains only).
 
 Cache layout: row b's committed tokens occupy slots 0 .. len_b - 1 (slot = position); a forward writes its n new
 tokens at caller-chosen slots (the tree after the prefix), and `compact` moves the accepted path to consecutive
@@ -39,7 +40,7 @@ from transformers.cache_utils import Cache
 
 #: Model types whose decoder layers this runtime drives (same layer signature; Qwen2/Mistral sliding windows are
 #: honoured through the mask).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 def sdpa_gqa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -9,7 +9,8 @@ and padding). A prediction *of* x_j is trained and scored iff loss_mask[j] = 1. 
 EAGLE-1 (Li et al. 2024; SafeAILab/EAGLE `eagle/train/main.py`, `cnets1.py`)
   At drafter position t (position id t) the input pair is (x_{t+1}, f_t):
       f'_t = Layer(fc([embed(x_{t+1}); f_t]))                 fc = Linear(2H, H, bias=fc_bias), no bias by default
-  Layer is one decoder layer of the verifier's family *without* input_layernorm (the fc output is the residual);
+  Layer is one decoder layer of the verifier's family (Llama's for families other than Llama, Qwen2 and Mistral,
+  `llama_layer_config`) *without* input_layernorm (the fc output is the residual);
   there is no final norm: f'_t is fed straight to the verifier's lm_head. f'_t regresses f_{t+1}, and
   lm_head(f'_t) predicts x_{t+2}:
       loss = feature_weight * SmoothL1(f'_t, f_{t+1}) + token_weight * CE(softmax(q_{t+1}), log_softmax(lm_head(f'_t)))
@@ -83,8 +84,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Verifier families whose decoder layer the drafter copies (HF model_type -> transformers module).
-SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+#: Verifier families whose own decoder layer the drafter copies; every other family gets a Llama layer with its dims
+#: (`llama_layer_config`), which is also what the engines build for them.
+OWN_LAYER_FAMILIES = ("llama", "qwen2", "mistral")
 
 
 class EagleError(ValueError):
@@ -320,11 +322,8 @@ class EagleOutput:
 
 # ---- the drafter -------------------------------------------------------------------------------------------------
 def _family(model_type: str):
-    """(DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb) of a supported family."""
-    if model_type == "llama":
-        from transformers.models.llama import modeling_llama as m
-
-        return m.LlamaDecoderLayer, m.LlamaRMSNorm, m.LlamaRotaryEmbedding, m.apply_rotary_pos_emb
+    """(DecoderLayer, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb) of the drafter's layer: the verifier's own for
+    the families in `OWN_LAYER_FAMILIES`, a Llama layer for every other family."""
     if model_type == "qwen2":
         from transformers.models.qwen2 import modeling_qwen2 as m
 
@@ -333,18 +332,58 @@ def _family(model_type: str):
         from transformers.models.mistral import modeling_mistral as m
 
         return m.MistralDecoderLayer, m.MistralRMSNorm, m.MistralRotaryEmbedding, m.apply_rotary_pos_emb
-    raise EagleError(
-        f"verifier model_type {model_type!r} has no EAGLE drafter here; supported families: "
-        f"{', '.join(SUPPORTED_FAMILIES)} (Llama-style decoders)")
+    from transformers.models.llama import modeling_llama as m
+
+    return m.LlamaDecoderLayer, m.LlamaRMSNorm, m.LlamaRotaryEmbedding, m.apply_rotary_pos_emb
 
 
 def _layer_config(verifier_config):
-    """The verifier's config cut to one layer: the drafter layer's dims, activation, norm eps and rope."""
-    cfg = copy.deepcopy(verifier_config)
-    cfg.num_hidden_layers = 1
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = ["full_attention"]
-    return cfg
+    """The drafter layer's config: the verifier's config cut to one layer (its own families), or a one-layer Llama
+    config with the verifier's dims, activation, norm eps and (global) rope for any other family."""
+    if verifier_config.model_type in OWN_LAYER_FAMILIES:
+        cfg = copy.deepcopy(verifier_config)
+        cfg.num_hidden_layers = 1
+        if getattr(cfg, "layer_types", None) is not None:
+            cfg.layer_types = ["full_attention"]
+        return cfg
+    return llama_layer_config(verifier_config)
+
+
+def llama_layer_config(vc):
+    """A one-layer LlamaConfig with the dims of verifier config `vc` (any family): what vLLM and SGLang build for an
+    EAGLE drafter whatever the verifier (their EAGLE-3 class is Llama's for a Qwen3, Gemma 3 or Llama target).
+    Kept from `vc`: hidden, intermediate, heads, kv heads, head_dim, activation, norm eps, positions, the rope of
+    its full-attention layers, vocab and token ids; not kept: q/k norms (Qwen3, OLMo 2), sliding windows, Gemma's
+    (1 + w) norms and embedding scale — the drafter layer is trained, not copied."""
+    from transformers import LlamaConfig
+
+    heads = vc.num_attention_heads
+    rope = dict(getattr(vc, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' rope
+        rope = dict(rope["full_attention"])
+    if not rope:
+        rope = {"rope_type": "default", "rope_theta": getattr(vc, "rope_theta", 10000.0)}
+    return LlamaConfig(
+        vocab_size=vc.vocab_size, hidden_size=vc.hidden_size, intermediate_size=vc.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=getattr(vc, "num_key_value_heads", None) or heads,
+        head_dim=getattr(vc, "head_dim", None) or vc.hidden_size // heads,
+        hidden_act=getattr(vc, "hidden_act", None) or getattr(vc, "hidden_activation", None) or "silu",
+        rms_norm_eps=getattr(vc, "rms_norm_eps", None) or 1e-6,
+        max_position_embeddings=getattr(vc, "max_position_embeddings", 4096), rope_parameters=rope,
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+        bos_token_id=getattr(vc, "bos_token_id", None), eos_token_id=getattr(vc, "eos_token_id", None),
+        pad_token_id=getattr(vc, "pad_token_id", None))
+
+
+def norm_scale(norm: nn.Module, hidden_size: int) -> torch.Tensor:
+    """The per-channel scale an RMS norm applies (x * w, or x * (1 + w) in Gemma's convention): its output for an
+    input of RMS 1, times sqrt(1 + eps). Used to start the drafter's Llama norm from any family's final norm."""
+    eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", None) or 0.0
+    w = next(norm.parameters())
+    with torch.no_grad():
+        out = norm(torch.ones(1, hidden_size, dtype=w.dtype, device=w.device))[0].float()
+    return (out * (1.0 + eps) ** 0.5).cpu()
 
 
 class _Held:
@@ -419,8 +458,9 @@ class EagleDrafter(nn.Module):
         return self._held.embed_tokens.weight
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():  # frozen, shared with the verifier
-            return self._held.embed_tokens(input_ids).to(self.dtype)
+        with torch.no_grad():  # frozen, shared with the verifier; the table itself, as the engines read it (a
+            # family that scales its embeddings in the module, Gemma, is not scaled here: vLLM scales in the model)
+            return F.embedding(input_ids, self.token_embedding).to(self.dtype)
 
     # ---- the layer -----------------------------------------------------------------------------------------------
     def _layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -636,7 +676,10 @@ class Eagle3Drafter(EagleDrafter):
             with torch.no_grad():
                 columns = torch.arange(Vd) + d2t
                 self.lm_head.weight.copy_(verifier.lm_head.weight.detach().float().cpu()[columns])
-                self.norm.weight.copy_(verifier.norm.weight.detach().float().cpu())
+                if self.model_type in OWN_LAYER_FAMILIES:
+                    self.norm.weight.copy_(verifier.norm.weight.detach().float().cpu())
+                else:  # the same per-channel scale in the Llama norm's convention (Gemma's is 1 + w)
+                    self.norm.weight.copy_(norm_scale(verifier.norm, H))
 
     @property
     def feature_layers(self) -> list[int]:

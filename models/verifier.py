@@ -152,6 +152,25 @@ class VerifierFeatures:
     """(B, T, V) the verifier's logits, when asked for."""
 
 
+@contextmanager
+def capture_layer_inputs(layers: nn.ModuleList, layer_ids):
+    """Within the block, {i: the input of decoder layer i} for each forward (forward pre-hooks; HF hidden_states[i])."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook_for(i):
+        def hook(module, args, kwargs):
+            captured[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    handles = [layers[i].register_forward_pre_hook(hook_for(i), with_kwargs=True) for i in sorted(set(layer_ids))]
+    try:
+        yield captured
+    finally:
+        for h in handles:
+            h.remove()
+
+
 class Verifier(nn.Module):
     """A frozen causal LM. Build with `Verifier.from_pretrained(name_or_path)` or wrap a live model."""
 
@@ -268,25 +287,21 @@ class Verifier(nn.Module):
                 "the input of layer i)"
             )
 
+    def check_head(self, what: str = "this") -> None:
+        """Refuse a model whose logits are not lm_head(final post-norm hidden state) (a soft-capped or scaled head):
+        every feature-based method and the engine's verification compute logits that way. One short forward."""
+        ids = torch.arange(4, device=self.device)[None] % self.vocab_size
+        with torch.no_grad():
+            ours = self.lm_head(self.decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
+            theirs = self.model(input_ids=ids, use_cache=False).logits.float()
+        if not torch.isfinite(theirs).all():  # a broken model: nothing to compare (the trainers' guard reports it)
+            return
+        if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3 * float(theirs.abs().max()) + 1e-5):
+            raise VerifierError(
+                f"verifier {self.name!r} (model_type {self.config.model_type!r}): its logits are not "
+                f"lm_head(final hidden state) (soft-capped or scaled output head), which {what} method needs")
+
     # ---- forward -------------------------------------------------------------------------------------------------
-    @contextmanager
-    def _capture_layer_inputs(self, layer_ids: list[int]):
-        captured: dict[int, torch.Tensor] = {}
-
-        def hook_for(i):
-            def hook(module, args, kwargs):
-                captured[i] = args[0] if args else kwargs["hidden_states"]
-
-            return hook
-
-        handles = [self.layers[i].register_forward_pre_hook(hook_for(i), with_kwargs=True)
-                   for i in sorted(set(layer_ids))]
-        try:
-            yield captured
-        finally:
-            for h in handles:
-                h.remove()
-
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  layer_ids: list[int] | tuple[int, ...] = (), return_logits: bool = False,
@@ -294,7 +309,7 @@ class Verifier(nn.Module):
         """One frozen forward; keeps only the requested layers' inputs (hooks, not `output_hidden_states`)."""
         layer_ids = list(layer_ids)
         self.check_layer_ids(layer_ids)
-        with self._capture_layer_inputs(layer_ids) as captured:
+        with capture_layer_inputs(self.layers, layer_ids) as captured:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False)
         final = out.last_hidden_state  # (B, T, H), post-norm

@@ -440,10 +440,19 @@ def test_small_draft_vocab_needs_token_counts(verifiers):
     assert build_drafter(verifiers["llama"], EagleConfig()).draft_vocab_size == 256  # min(32000, V)
 
 
-def test_unsupported_family_names_the_model_type():
-    stub = SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))
-    with pytest.raises(EagleError, match=r"model_type 'gpt2'.*llama, qwen2, mistral"):
-        Eagle1Drafter(stub, EagleConfig(version=1))
+def test_other_families_get_a_llama_layer_and_gpt2_is_refused_by_name():
+    """Any family with decoder layers gets a Llama drafter layer with its dims (what the engines build); GPT-2 has
+    none (`transformer.h`), so the verifier itself is refused, naming what is missing."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.utils import tiny_model
+
+    qwen3 = Verifier(tiny_model("qwen3"))
+    drafter = Eagle1Drafter(qwen3, EagleConfig(version=1))
+    assert type(drafter.layer).__name__ == "LlamaDecoderLayer" and drafter.head_dim == qwen3.config.head_dim
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(VerifierError, match=r"GPT2LMHeadModel.*no `layers`/`norm`"):
+        Verifier(model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -235,7 +235,8 @@ def test_unknown_config_keys_are_named(tmp_path):
         parse_config(EagleRunConfig, ["--features=offline"])
 
 
-@pytest.mark.parametrize("name", ["eagle1-tiny", "eagle3-tiny", "llama3-8b-eagle1", "llama3-8b-eagle3"])
+@pytest.mark.parametrize("name", ["eagle1-tiny", "eagle3-tiny", "llama3-8b-eagle1", "llama3-8b-eagle3",
+                                  "qwen3-8b-eagle3"])
 def test_shipped_configs_parse(name):
     cfg = parse_config(EagleRunConfig, ["--config", str(ROOT / f"configs/{name}.yaml")])
     assert cfg.eagle.version == int(name.split("eagle")[-1][0]) and cfg.eagle.use_fc_bias is False

@@ -7,11 +7,17 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "mistral")
+"""The families whose drafter layer is their own decoder layer (tested everywhere)."""
+STATIC_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
+"""Families the engine decodes on its static-cache runtime."""
+GENERIC_FAMILIES = ("gemma3", "olmo2", "phi3")
+"""Families it decodes on the generic path (the model's own forward and cache)."""
 
 
 def tiny_config(family: str = "llama", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
                 **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -24,6 +30,18 @@ def tiny_config(family: str = "llama", vocab_size: int = 256, hidden_size: int =
         return Qwen2Config(**common)
     if family == "mistral":
         return MistralConfig(sliding_window=None, **common)
+    if family == "qwen3":  # head_dim apart from hidden/heads, as in Qwen3-0.6B (1024 / 16 heads, head_dim 128)
+        return Qwen3Config(**{"head_dim": 2 * common["hidden_size"] // common["num_attention_heads"], **common})
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**{"num_experts": 4, "num_experts_per_tok": 2,
+                                 "moe_intermediate_size": common["hidden_size"] // 2, **common})
+    if family == "gemma3":  # sliding-window layers (window 8) between global ones, scaled embeddings, (1+w) norms
+        return Gemma3TextConfig(**{"head_dim": common["hidden_size"] // common["num_attention_heads"],
+                                   "sliding_window": 8, **common})
+    if family == "olmo2":
+        return Olmo2Config(**common)
+    if family == "phi3":
+        return Phi3Config(**common)
     raise ValueError(f"unknown family {family!r}")
 
 

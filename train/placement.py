@@ -32,6 +32,8 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
                                         trust_remote_code=cfg.trust_remote_code)
     if shard:
         shard_verifier(verifier, accelerator, device)
+    else:  # Medusa and EAGLE read logits as lm_head(final hidden state); a soft-capped head is refused here
+        verifier.check_head("training a drafter on its features")
     check_tokenizer_files(verifier.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=cfg.trust_remote_code)

@@ -32,6 +32,8 @@ PROMPTS = [[5, 77, 31, 200, 9, 77, 31], [42, 9], [8, 8, 120, 3, 64, 19, 250, 7, 
 BATCHES = [PROMPTS[:1], PROMPTS]
 FIT = PROMPTS + [[3 + i, 40 + 7 * i, 9, 100 + i] for i in range(8)]  # what the drafters are fitted on
 SIZE = dict(hidden_size=128)  # vLLM's CPU attention needs head_dim >= 32 (4 heads)
+INTEROP_FAMILIES = FAMILIES + ("qwen3",)
+"""Qwen3 too: vLLM builds its Llama EAGLE classes for a Qwen3 target, which is what we export (docs/families.md)."""
 
 
 def medusa_heads(verifier, corpus):
@@ -74,10 +76,11 @@ def build_cases(root, family):
     case(f"{family}-eagle3", folder, "eagle3", engine("eagle", folder))
     folder = export_eagle(fit_eagle(verifier, 3, corpus, layer_ids=[1, 2, 3]), root / family / "eagle3-full", verifier)
     case(f"{family}-eagle3-full", folder, "eagle3", engine("eagle", folder))
-    if family == "llama":
+    if family in ("llama", "qwen3"):
         folder = export_eagle(pruned, root / family / "speculators", verifier, engine="speculators",
                               num_speculative_tokens=K)
         case(f"{family}-speculators", folder, None, engine("eagle", folder), serve_drafter=True)
+    if family == "llama":
         # Medusa-2: the heads trained with a LoRA adapter on the verifier; vLLM serves the verifier with it merged
         adapted = Verifier.from_pretrained(vdir)
         add_lora(adapted, r=4, alpha=8, dropout=0.0)
@@ -102,7 +105,7 @@ def interop(tmp_path_factory, vllm_ready):
     """Every case: our engine's outputs and accepted counts, and vLLM's, from one vLLM process."""
     root = tmp_path_factory.mktemp("interop")
     plan, references = {}, {}
-    for family in FAMILIES:
+    for family in INTEROP_FAMILIES:
         vdir, cases = build_cases(root, family)
         plan.update(cases)
         model = Verifier.from_pretrained(vdir).model
@@ -132,8 +135,9 @@ def interop(tmp_path_factory, vllm_ready):
     return {"ours": ours, "vllm": theirs, "references": references}
 
 
-CASES = [f"{family}-{flavour}" for family in FAMILIES for flavour in ("medusa", "eagle1", "eagle3", "eagle3-full")]
-CASES += ["llama-speculators", "llama-medusa2"]
+CASES = [f"{family}-{flavour}" for family in INTEROP_FAMILIES
+         for flavour in ("medusa", "eagle1", "eagle3", "eagle3-full")]
+CASES += ["llama-speculators", "qwen3-speculators", "llama-medusa2"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -245,13 +249,14 @@ def test_sampling_in_vllm_follows_the_verifier(sampled):
     assert pvalue(torch.tensor(spec["batches"][0]["outputs"]), joint) > 0.001
 
 
-@pytest.mark.parametrize("draft_vocab", [160, None], ids=["pruned", "whole-vocabulary"])
-def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vllm_ready, draft_vocab):
+@pytest.mark.parametrize("family,draft_vocab", [("llama", 160), ("llama", None), ("qwen3", 160)],
+                         ids=["pruned", "whole-vocabulary", "qwen3"])
+def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vllm_ready, family, draft_vocab):
     """`SpeculatorModel.from_pretrained(DRAFTER_DIR)` (speculators 0.9, its own Eagle3DraftModel; no conversion, no
     verifier embeddings handed over by hand) computes our drafter's first-step logits to float tolerance."""
     from eval.vllm_peer import SpeculatorsLogits
 
-    model = peaked_model("llama", **SIZE)
+    model = peaked_model(family, **SIZE)
     model.save_pretrained(tmp_path / "verifier", safe_serialization=True)
     verifier = Verifier.from_pretrained(tmp_path / "verifier")
     drafter = fit_eagle(verifier, 3, greedy_corpus(verifier.model, FIT, 40), draft_vocab_size=draft_vocab,
