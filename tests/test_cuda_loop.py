@@ -222,3 +222,25 @@ def test_public_fused_option_runs_eagle_and_medusa_like_the_unfused_loop(setup, 
         # (a padded batch bucket draws for the padding rows too: still lossless, but other tokens)
         sampled = [d.generate(PROMPTS[:1], MAX_NEW, temperature=0.9, seed=3).output_ids for d in (plain, fused)]
         assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_fused_loop_on_qwen3(family):
+    """Qwen3 (q/k norms, head_dim apart from hidden/heads) and Qwen3-MoE through the fused loop: a draft-model tree
+    and an EAGLE-3 dynamic tree decode like the unfused loop and like Hugging Face greedy (graphs off on the CPU)."""
+    from tests.utils import fit_eagle, greedy_corpus
+
+    model = peaked_model(family)
+    verifier = Verifier(model)
+    refs = [hf_greedy(model, p, MAX_NEW, eos_token_id=2) for p in PROMPTS]
+    corpus = greedy_corpus(model, [[3 + i, 40 + 7 * i, 9] for i in range(12)], 24)
+    eagle3 = fit_eagle(verifier, 3, corpus)
+    builds = {"draft-model": lambda: make_drafter("draft-model", verifier, noisy_copy(model, 0.1), branching=[3, 2, 1]),
+              "eagle": lambda: make_drafter("eagle", verifier, eagle3, depth=4, top_k=3, total_tokens=8)}
+    for name, build in builds.items():
+        plain = SpeculativeDecoder(verifier, build(), name)
+        fused = FusedDecoder(SpeculativeDecoder(verifier, build(), name), graphs=False)
+        want = plain.generate(PROMPTS, MAX_NEW)
+        got = fused.generate(PROMPTS, MAX_NEW)
+        assert got.output_ids == want.output_ids == refs, (family, name)
+        assert got.stats.accepted == want.stats.accepted

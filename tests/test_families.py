@@ -232,7 +232,7 @@ def trained_verifiers(tmp_path_factory):
 @pytest.mark.usefixtures("fresh_accelerate")
 @pytest.mark.parametrize("family", TRAINED)
 def test_trainers_train_export_and_check(family, trained_verifiers, tmp_path):
-    """Medusa and EAGLE-3 train a few steps on the family's features, export, and pass the trainers' own
+    """Medusa, EAGLE-1 and EAGLE-3 train a few steps on the family's features, export, and pass the trainers' own
     train/serve check (the export, reloaded, decodes like the trained drafter in our engine: on the generic path
     as chains); EAGLE-3's export names the Llama layer the engines build, with the verifier's head_dim."""
     import json
@@ -247,8 +247,10 @@ def test_trainers_train_export_and_check(family, trained_verifiers, tmp_path):
         warnings.simplefilter("ignore")
         eagle = run_eagle(*tiny_args(folder, tmp_path / "eagle3", 3, "--train.max_steps=2"))
         reset_accelerate()
+        eagle1 = run_eagle(*tiny_args(folder, tmp_path / "eagle1", 1, "--train.max_steps=2"))
+        reset_accelerate()
         medusa = run_medusa(folder, tmp_path / "medusa")
-    for summary in (eagle, medusa):
+    for summary in (eagle, eagle1, medusa):
         checked = summary["consistency"]
         assert checked["tau"] == checked["tau_in_memory"] and checked["new_tokens"] > 0, checked
     config = json.loads((tmp_path / "eagle3" / "drafter" / "config.json").read_text())

@@ -35,7 +35,7 @@ def sglang_load(folder: Path, verifier: Path) -> dict:
 def exports(tmp_path_factory):
     root = tmp_path_factory.mktemp("sglang")
     out = {}
-    for family in ("llama", "qwen2"):
+    for family in ("llama", "qwen2", "qwen3"):
         model = peaked_model(family, **SIZE)
         model.save_pretrained(root / family, safe_serialization=True)
         verifier = Verifier.from_pretrained(root / family)
@@ -48,7 +48,7 @@ def exports(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", [f"{f}-{k}" for f in ("llama", "qwen2")
+@pytest.mark.parametrize("name", [f"{f}-{k}" for f in ("llama", "qwen2", "qwen3")
                                   for k in ("eagle3-sglang", "eagle3-vllm", "eagle1-sglang")])
 def test_sglang_loads_every_parameter_and_captures_our_layers(exports, name):
     folder, drafter = exports[name]
