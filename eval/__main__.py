@@ -1,4 +1,5 @@
 """Evaluate drafters: tau, per-position acceptance and wall-clock speedup beside plain decoding and Hugging Face.
+(`python -m eval tune ...` chooses a method and draft length from measurements: eval/tune.py.)
 
     python -m eval --verifier tiny-code --method eagle --draft runs/eagle3-tiny/drafter \\
         --prompts humaneval --num-prompts 20 --max-new-tokens 128 --out results/eagle3 \\
@@ -213,6 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     from models.export import DrafterFormatError
     from models.verifier import VerifierError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["tune"]:  # python -m eval tune ...: choose the method and draft length (eval/tune.py)
+        from eval.tune import main as tune
+
+        return tune(argv[1:])
     args = parser().parse_args(argv)
     try:
         check_args(args)
