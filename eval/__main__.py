@@ -19,6 +19,7 @@ Methods and options (`--option KEY=VALUE` for every method that has KEY, `--opti
 values are YAML: 3, true, [3, 2, 1], [[0], [1], [0, 0]]):
     autoregressive
     ngram         num_draft_tokens=4 max_ngram=3 min_ngram=1
+    lookahead     window=4 ngram_size=3 guesses=4 context_pool=true (lookahead decoding: W, N, G)
     draft-model   num_draft_tokens=4 | branching=[3,2,1]; tree_sampling=sample|topk
     medusa        (the export's tree) | paths=[[0],[1],[0,0]] | tree_budget=N | chain=K; acceptance=typical
     eagle         depth=6 top_k=4 total_tokens=16 (EAGLE-2 dynamic tree) | chain=K
@@ -35,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE_METHODS = ("autoregressive", "ngram", "draft-model", "medusa", "eagle")
+ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle")
 COMPARE = ("autoregressive", "hf", "hf-assisted")
 HF_ASSISTED_OPTIONS = ["assistant", "prompt_lookup_num_tokens", "max_matching_ngram_size"]

@@ -351,6 +351,9 @@ class FusedDecoder:
             raise ValueError(f"the fused loop runs on the static-cache runtime; verifier model_type "
                              f"{decoder.verifier.config.model_type!r} runs on the generic path (use the unfused "
                              "decoder)")
+        if decoder.drafter.num_extra_nodes:
+            raise ValueError(f"the fused loop has no place for {decoder.method!r}'s extra (lookahead) nodes; use the "
+                             "unfused decoder")
         if decoder.first_token != "draft":
             raise ValueError(f"the fused loop takes its first token from the first verification step; this decoder "
                              f"has first_token={decoder.first_token!r} (use the unfused decoder for that)")

@@ -6,7 +6,8 @@ verifier would have said.
     out = dec.generate([[1, 5, 9], [1, 7]], max_new_tokens=64, temperature=0.0)
     out.output_ids, out.stats.tau
 
-Methods: `autoregressive` (the baseline, same runtime), `ngram` (prompt lookup), `draft-model` (vanilla
+Methods: `autoregressive` (the baseline, same runtime), `ngram` (prompt lookup), `lookahead` (lookahead decoding:
+Jacobi window + n-gram pool, no draft model; eval/lookahead.py), `draft-model` (vanilla
 speculative decoding with a small LM; chain or tree), `medusa` (heads on the verifier's last hidden state, static
 tree; eval/medusa_drafter.py), `eagle` (EAGLE-1/EAGLE-3, chain or EAGLE-2's dynamic tree; eval/eagle_drafter.py).
 
@@ -42,9 +43,10 @@ from eval.acceptance import Acceptance, accept, probs_from_logits, sample
 from eval.drafters import DraftModelDrafter, NgramDrafter, NoDrafter, load_causal_lm
 from eval.eagle_drafter import make_eagle
 from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
+from eval.generic_runtime import is_generic, make_runner
+from eval.lookahead import LookaheadDrafter
 from eval.medusa_drafter import make_medusa
 from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling
-from eval.generic_runtime import is_generic, make_runner
 from eval.runtime import RunnerOutput, UnsupportedModelError, bucket, causal_mask
 from eval.tree import tree_attention_mask
 
@@ -68,6 +70,11 @@ def _draft_model(verifier, draft, device, dtype, num_draft_tokens: int | None = 
     return DraftModelDrafter(model, verifier.vocab_size, num_draft_tokens, branching, tree_sampling)
 
 
+def _lookahead(verifier, draft, device, dtype, window: int = 4, ngram_size: int = 3, guesses: int | None = None,
+               context_pool: bool = True):
+    return LookaheadDrafter(window, ngram_size, guesses, context_pool)
+
+
 def _medusa(verifier, draft, device, dtype, paths=None, tree_budget: int | None = None, chain=None,
             tree_sampling: str = "topk", acceptance: str = "lossless", typical_epsilon: float = 0.09,
             typical_alpha: float = 0.3):
@@ -80,8 +87,8 @@ def _eagle(verifier, draft, device, dtype, chain: int | None = None, depth: int 
     return make_eagle(verifier, draft, chain, depth, top_k, total_tokens, tree_sampling)
 
 
-METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "draft-model": _draft_model, "medusa": _medusa,
-           "eagle": _eagle}
+METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "lookahead": _lookahead, "draft-model": _draft_model,
+           "medusa": _medusa, "eagle": _eagle}
 
 
 def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **options) -> Drafter:
@@ -94,7 +101,7 @@ def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **o
     if unknown:
         raise ValueError(f"method {method!r} has no option(s) {', '.join(unknown)}; "
                          f"its options: {', '.join(params) or 'none'}")
-    if draft is not None and method in ("autoregressive", "ngram"):
+    if draft is not None and method in ("autoregressive", "ngram", "lookahead"):
         raise ValueError(f"method {method!r} takes no draft (got draft={draft!r})")
     return factory(verifier, draft, device, dtype, **options)
 
@@ -105,6 +112,10 @@ FIRST_TOKEN = ("draft", "prefill")
 def check_generic(verifier, drafter: Drafter, method: str) -> None:
     """A verifier on the generic path (eval/generic_runtime.py) verifies chains, with logits = lm_head(final)."""
     model_type = verifier.config.model_type
+    if drafter.num_extra_nodes:
+        raise UnsupportedModelError(
+            f"verifier model_type {model_type!r} runs on the generic path, which cannot run method {method!r} "
+            "(its lookahead window needs a custom attention mask in the verifier's forward)")
     if drafter.max_depth != drafter.num_draft_tokens:
         raise UnsupportedModelError(
             f"verifier model_type {model_type!r} runs on the generic path, which verifies chains only; method "
@@ -170,7 +181,8 @@ class SpeculativeDecoder:
         # still verified (fixed shapes): N + 1 slots past that, and its tokens written up to D + 1 past it.
         # Plus one spare scratch slot at the end (drafters use it), never reached by any row.
         n = self.drafter.num_draft_tokens
-        return max(map(len, prompts)) + max_new_tokens + 2 * n + 2 + (self.first_token == "prefill")
+        return max(map(len, prompts)) + max_new_tokens + 2 * n + 2 + self.drafter.num_extra_nodes + \
+            (self.first_token == "prefill")
 
     def _new_state(self, prompts: list[list[int]], max_new_tokens: int) -> DecodeState:
         B, dev = len(prompts), self.device
@@ -242,9 +254,31 @@ class SpeculativeDecoder:
         L = state.lengths
         n = tree.num_nodes
         ids = torch.cat([state.roots()[:, None], draft.tokens], 1)  # (B, N+1)
+        if draft.extra is not None:
+            return self._verify_with_extra(state, draft, tree, ids)
         slots = L[:, None] + torch.arange(n, device=state.device)
         mask = tree_attention_mask(L, tree.ancestors, self._window(state, n))  # (B, N+1, W)
         return self.runner(self.cache, ids, L[:, None] + tree.depth, slots, mask, layer_ids=self.drafter.layer_ids)
+
+    def _verify_with_extra(self, state: DecodeState, draft: Draft, tree, ids: torch.Tensor) -> RunnerOutput:
+        """The same forward with the drafter's extra nodes after the tree (slots len+N+1 .., their own mask: prefix,
+        root, the extra nodes they name); their logits go to the drafter, the rest is verify's usual output."""
+        extra, L, dev = draft.extra, state.lengths, state.device
+        B, n, E = state.batch_size, tree.num_nodes, extra.tokens.shape[1]
+        window = self._window(state, n + E)
+        slots = L[:, None] + torch.arange(n + E, device=dev)
+        pos = torch.cat([L[:, None] + tree.depth, L[:, None] + extra.offsets[None]], 1)
+        j = torch.arange(window, device=dev)
+        sees = (j[None, None, :] <= L[:, None, None]).expand(B, E, window).clone()  # prefix and root
+        cols = (L[:, None] + n + torch.arange(E, device=dev))[:, None, :].expand(B, E, E)
+        sees |= torch.zeros_like(sees).scatter_(2, cols, extra.mask[None].expand(B, E, E))
+        mask = torch.cat([tree_attention_mask(L, tree.ancestors, window), sees], 1)  # (B, N+1+E, W)
+        out = self.runner(self.cache, torch.cat([ids, extra.tokens], 1), pos, slots, mask,
+                          layer_ids=self.drafter.layer_ids)
+        self.drafter.see_extra(out.logits[:, n:])
+        cut = lambda x: x[:, :n]  # noqa: E731
+        return RunnerOutput(final=cut(out.final), layers={i: cut(h) for i, h in out.layers.items()},
+                            logits=cut(out.logits))
 
     def accept(self, draft: Draft, out: RunnerOutput, sampling: Sampling) -> Acceptance:
         return accept(draft.tokens, draft.tree, draft.probs, out.logits, sampling.temperature, sampling.top_p,

@@ -113,6 +113,20 @@ class DecodeState:
 
 
 @dataclass
+class ExtraNodes:
+    """Tokens a drafter wants run through the verifier in the same forward but never accepted (lookahead decoding's
+    Jacobi window): after the tree's nodes, each at position root + `offsets[e]`, attending to the committed
+    prefix, the root and the extra nodes `mask[e]` marks. Their logits go back to `Drafter.see_extra`."""
+
+    tokens: torch.Tensor
+    """(B, E) long."""
+    offsets: torch.Tensor
+    """(E,) long: position relative to the root (>= 1)."""
+    mask: torch.Tensor
+    """(E, E) bool: extra node e attends to extra node e' (itself included)."""
+
+
+@dataclass
 class Draft:
     """A drafter's proposal for one step."""
 
@@ -122,6 +136,8 @@ class Draft:
     """The tree over root + N nodes (batch 1 or B)."""
     probs: torch.Tensor | None = None
     """(B, N, V): for each node, the exact distribution it was drawn from; None = all deterministic picks."""
+    extra: ExtraNodes | None = None
+    """Nodes run in the same verifier forward that are not candidates (None for every drafter but lookahead)."""
 
     @property
     def num_tokens(self) -> int:
@@ -182,6 +198,8 @@ class Drafter:
     """Whether `Committed.final` (post-norm hidden states) is needed (Medusa, EAGLE-1)."""
     wants_logits: bool = False
     """Whether `Committed.logits` is needed."""
+    num_extra_nodes: int = 0
+    """E: extra nodes per step (`Draft.extra`, the same E every step), run through the verifier but never accepted."""
     typical: tuple[float, float] | None = None
     """(epsilon, alpha): sampled steps use Medusa's typical acceptance, which is LOSSY (the output no longer
     follows the verifier's distribution). None, the default for every drafter: the lossless rules."""
@@ -195,6 +213,9 @@ class Drafter:
 
     def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
         raise NotImplementedError
+
+    def see_extra(self, logits: torch.Tensor) -> None:
+        """The verifier's logits (B, E, V) at this step's extra nodes (only drafters with num_extra_nodes > 0)."""
 
     def describe(self) -> dict:
         """Options worth reporting (goes into stats / results.json)."""

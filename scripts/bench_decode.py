@@ -17,6 +17,7 @@ Verifier: `tiny-code` (built on first use). Drafters, trained with the project's
                 distilled on the stdlib drafter split: one layer + a full-vocabulary lm_head per draft token, about
                 an EAGLE drafter's cost, so HF assisted generation with it is the "draft model of similar cost".
 Methods (`VARIANTS`, CPU-sized; verifying N+1 tokens costs far more than one on a CPU): autoregressive, ngram,
+lookahead decoding (W/N/G small: a step runs 1 + (G + W)(N - 1) tokens),
 draft-model chain, Medusa chain and small trees, EAGLE-1 and EAGLE-3 chains and dynamic trees, HF generate,
 HF assisted generation with the draft model and with prompt lookup. All on the same prompts, taking turns batch by
 batch (eval/harness.py).
@@ -50,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 VARIANTS: dict[str, tuple[str, str | None, dict]] = {
     "autoregressive": ("autoregressive", None, {}),
     "ngram": ("ngram", None, {"num_draft_tokens": 4}),
+    "lookahead-w4n3g4": ("lookahead", None, {"window": 4, "ngram_size": 3, "guesses": 4}),
+    "lookahead-w3n4g2": ("lookahead", None, {"window": 3, "ngram_size": 4, "guesses": 2}),
     "draft-model-chain3": ("draft-model", "draft-model", {"num_draft_tokens": 3}),
     "medusa-chain3": ("medusa", "medusa", {"chain": 3}),
     "medusa-tree8": ("medusa", "medusa", {"tree_budget": 8}),
