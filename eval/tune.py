@@ -12,8 +12,8 @@ What the choice depends on, measured on the given prompts (greedy, or `--tempera
      bookkeeping, and the loop's acceptance and commit), hence its cost per extra draft token (the slope);
   4. the plain decoding baseline: prefill time and step time.
 The prediction for a chain of N: time = prefill + (new tokens / E_N) x (verifier(N+1) + drafter(N)), against
-prefill + new tokens x plain step; speedup = the ratio. Every (method, N) is predicted; the `--confirm` best are
-then decoded for real, interleaved with plain decoding, and the table shows predicted against measured speedup and
+prefill + new tokens x plain step; speedup = the ratio. Every (method, N) is predicted; the `--confirm` best (and
+each other candidate's best) are then decoded for real, each beside plain decoding, and the table shows predicted against measured speedup and
 tau. The winner among the confirmed is printed as a vLLM `speculative_config` and SGLang flags. Chains only (trees:
 not yet). Writes DIR/tune.json and DIR/tune.png (predicted speedup against draft length per method).
 
@@ -268,7 +268,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-draft", type=int, default=6, help="longest chain to consider (K)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--confirm", type=int, default=3, help="decode this many of the best predictions for real")
+    p.add_argument("--confirm", type=int, default=3,
+                   help="decode this many of the best predictions for real (and each other candidate's best)")
     p.add_argument("--repeats", type=int, default=2, help="timed passes per decode, the fastest counts")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=None)
@@ -311,10 +312,12 @@ def check_args(args) -> None:
         raise UsageError(f"--out {args.out}: cannot create it ({err.strerror})") from None
 
 
-def table(rows: list[Prediction]) -> str:
+def table(rows: list[Prediction], ranked: list[Prediction]) -> str:
+    """Markdown rows; rank = the place in `ranked` (all predictions, best first)."""
     lines = ["| rank | candidate | N | tau predicted | tau measured | speedup predicted | speedup measured | error |",
              "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for i, r in enumerate(rows, 1):
+    for r in rows:
+        i = ranked.index(r) + 1
         m_tau = f"{r.measured_tau:.2f}" if r.measured_tau is not None else ""
         m_sp = f"{r.measured_speedup:.2f}x" if r.measured_speedup is not None else ""
         err = f"{100 * r.error:+.0f}%" if r.error is not None else ""
@@ -402,6 +405,9 @@ def run(args, candidates: list[Candidate]) -> int:
         profiles.append(prof)
     predictions = predict(profiles, verify_s, baseline, K)
     top = predictions[: args.confirm]
+    for label in dict.fromkeys(p.label for p in predictions):  # and each other candidate's best, measured too
+        if all(p.label != label for p in top):
+            top.append(next(p for p in predictions if p.label == label))
     say(f"[tune] confirming the best {len(top)} by decoding, each beside plain decoding")
     for pred in top:
         cand = Candidate(pred.label, pred.method, pred.draft)
@@ -431,7 +437,7 @@ def run(args, candidates: list[Candidate]) -> int:
               f"; drafter + loop per step {1000 * p.drafter_s[min(p.drafter_s)]:.2f} ms at N=1, "
               f"+{1000 * p.cost_per_draft_token:.2f} ms per extra draft token")
     print()
-    print(table(top + [p for p in predictions[len(top):]][:7]))
+    print(table(top + [p for p in predictions if p not in top][:6], predictions))
     print(f"\nwinner (measured): {winner.label}, chain of {winner.n}: {winner.measured_speedup:.2f}x, "
           f"tau {winner.measured_tau:.2f}")
     print(f"vLLM: speculative_config={json.dumps(vllm)}")

@@ -78,7 +78,9 @@ def test_tune_end_to_end(tmp_path, capsys):
     preds = result["predictions"]
     assert len(preds) == 3 * 3 and preds == sorted(preds, key=lambda p: -p["speedup"])
     confirmed = [p for p in preds if p["measured_speedup"] is not None]
-    assert len(confirmed) == 2 and confirmed == preds[:2]
+    assert preds[:2] == confirmed[:2] and {p["label"] for p in confirmed} == {p["label"] for p in preds}
+    for label in {p["label"] for p in preds}:  # each candidate's best prediction is among the confirmed
+        assert next(p for p in preds if p["label"] == label) in confirmed
     assert result["winner"]["measured_speedup"] == max(p["measured_speedup"] for p in confirmed)
     assert set(result["verifier_seconds"]) == {"1", "2", "3", "4"}
     assert all(len(p["per_position"]) == 3 for p in result["profiles"])
