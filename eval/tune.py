@@ -7,7 +7,8 @@
 What the choice depends on, measured on the given prompts (greedy, or `--temperature`):
   1. each drafter's per-position acceptance p_k = P(a step accepts at least k drafts), k = 1..K, from one decode
      with a chain of K = --max-draft (the expected tokens per verifier call of a chain of N is 1 + p_1 + .. + p_N);
-  2. the verifier's cost of one forward over n = 1..K+1 new tokens at the prompts' mean context (`verifier_costs`);
+  2. the verifier's cost of one forward over n = 1..K+1 new tokens at the prompts' mean context (`verifier_costs`;
+     the prediction uses the least-squares line through them, `fit_line`: single forwards jitter on a shared CPU);
   3. each drafter's cost per step at N = 1 and N = K (its time in the decode loop: draft passes, its own
      bookkeeping, and the loop's acceptance and commit), hence its cost per extra draft token (the slope);
   4. the plain decoding baseline: prefill time and step time.
@@ -197,6 +198,18 @@ def verifier_costs(verifier, context: int, max_tokens: int, repeats: int = 20) -
                     times.append(time.perf_counter() - t0)
             costs[n] = statistics.median(times)
     return costs
+
+
+def fit_line(costs: dict[int, float]) -> dict[int, float]:
+    """The least-squares line through (n, seconds), evaluated at the same n: single forwards on a shared CPU jitter
+    by more than the growth from one token count to the next, the line keeps the trend."""
+    ns = sorted(costs)
+    if len(ns) < 2:
+        return dict(costs)
+    mean_n = sum(ns) / len(ns)
+    mean_c = sum(costs[n] for n in ns) / len(ns)
+    slope = sum((n - mean_n) * (costs[n] - mean_c) for n in ns) / sum((n - mean_n) ** 2 for n in ns)
+    return {n: mean_c + slope * (n - mean_n) for n in ns}
 
 
 # ---- prediction ----------------------------------------------------------------------------------------------------
@@ -393,7 +406,8 @@ def run(args, candidates: list[Candidate]) -> int:
     measure(plain_decoder, 0)  # warm-up
     baseline = measure(plain_decoder, 0)
     context = round(sum(map(len, prompts)) / len(prompts) + M / 2)
-    verify_s = verifier_costs(verifier, context, K + 1)
+    measured_verify_s = verifier_costs(verifier, context, K + 1)
+    verify_s = fit_line(measured_verify_s)
     profiles = []
     for cand in candidates:
         k = longest_chain(verifier, cand, K)
@@ -421,7 +435,8 @@ def run(args, candidates: list[Candidate]) -> int:
     plot(predictions, out / "tune.png")
     result = {"verifier": args.verifier, "prompts": args.prompts, "num_prompts": len(prompts),
               "max_new_tokens": M, "temperature": T, "max_draft": K, "context": context,
-              "verifier_seconds": {str(n): s for n, s in verify_s.items()},
+              "verifier_seconds": {str(n): s for n, s in measured_verify_s.items()},
+              "verifier_seconds_fitted": {str(n): s for n, s in verify_s.items()},
               "baseline": asdict(baseline) | {"step_s": baseline.step_s},
               "profiles": [asdict(p) | {"cost_per_draft_token_s": p.cost_per_draft_token} for p in profiles],
               "predictions": [asdict(p) | {"error": p.error} for p in predictions],
@@ -429,8 +444,9 @@ def run(args, candidates: list[Candidate]) -> int:
     from models.atomic import write_text
 
     write_text(out / "tune.json", json.dumps(result, indent=2))
-    print(f"verifier forward (ms) by new tokens: " +
-          ", ".join(f"{n}: {1000 * s:.2f}" for n, s in verify_s.items()) +
+    print("verifier forward (ms) by new tokens: " +
+          ", ".join(f"{n}: {1000 * s:.2f}" for n, s in measured_verify_s.items()) +
+          f" (fitted: {1000 * verify_s[1]:.2f} + {1000 * (verify_s[2] - verify_s[1]):.2f} per token)" +
           f"; plain step {1000 * baseline.step_s:.2f} ms")
     for p in profiles:
         print(f"{p.label}: per-position acceptance " + " ".join(f"{x:.2f}" for x in p.per_position) +

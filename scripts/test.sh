@@ -12,4 +12,6 @@ fi
 if [ "${DRAFTHEADS_SGLANG:-0}" = "1" ]; then
   bash scripts/setup_sglang.sh
 fi
-python -m pytest "$@"
+# Two workers (pytest-xdist) on the two cores CI has; tests that must not overlap share a group (tests/conftest.py).
+# DRAFTHEADS_TEST_WORKERS=0 runs everything in this one process.
+python -m pytest -n "${DRAFTHEADS_TEST_WORKERS:-2}" --dist loadgroup "$@"

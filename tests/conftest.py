@@ -41,10 +41,26 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+#: Under pytest-xdist (`bash scripts/test.sh` runs two workers, `--dist loadgroup`), tests that must not run beside
+#: each other share a group, which one worker runs in order: multi-process launches (accelerate launch and torchrun
+#: take the default rendezvous port 29500) and the real engines (one vLLM set-up for the whole interop suite).
+XDIST_GROUPS = {
+    "launch": ("tests/test_multiprocess.py::", "tests/test_fsdp.py::", "::test_two_processes",
+               "test_hidden_states.py::test_two_processes_split_the_shards"),
+    "interop": ("tests/interop/",),
+}
+
+
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.cuda` tests are skipped where no CUDA GPU is visible (the marker's promise in pyproject)."""
+    """`@pytest.mark.cuda` tests are skipped where no CUDA GPU is visible (the marker's promise in pyproject); the
+    xdist groups above are attached."""
     import torch
 
+    for item in items:
+        for group, patterns in XDIST_GROUPS.items():
+            if any(p in item.nodeid for p in patterns):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

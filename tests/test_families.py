@@ -184,7 +184,7 @@ def test_a_soft_capped_head_is_refused(tmp_path):
 
 # ---- sampling ----------------------------------------------------------------------------------------------------
 V = 16
-PROMPT = [3, 7, 1, 9]
+PROMPT = [3, 7, 1, 9, 3, 7]
 
 
 def joint(model):
@@ -196,16 +196,17 @@ def joint(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,rows,rounds", [("qwen3", 5000, 4), ("gemma3", 600, 5)])
-def test_sampling_is_lossless(family, rows, rounds):
-    """T=1 with a draft-model chain: the first two tokens follow the verifier's joint (chi-square) while drafts are
-    rejected often. Gemma 3 on the generic path decodes row by row, hence fewer samples."""
+@pytest.mark.parametrize("family,method,rows,rounds", [("qwen3", "draft-model", 5000, 4), ("gemma3", "ngram", 800, 2)])
+def test_sampling_is_lossless(family, method, rows, rounds):
+    """T=1: the first two tokens follow the verifier's joint (chi-square) while drafts are rejected often. Gemma 3 on
+    the generic path decodes row by row, hence fewer samples (and n-gram drafts, which cost no forward)."""
     model = tiny_model(family, seed=0, vocab_size=V, initializer_range=0.2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         verifier = Verifier(model)
-        dec = SpeculativeDecoder(verifier, make_drafter("draft-model", verifier, noisy_copy(model, 0.5),
-                                                        num_draft_tokens=2), "draft-model")
+        draft = noisy_copy(model, 0.5) if method == "draft-model" else None
+        options = {"num_draft_tokens": 2}
+        dec = SpeculativeDecoder(verifier, make_drafter(method, verifier, draft, **options), method)
     counts = torch.zeros(V * V, dtype=torch.long)
     first_rejected = []
     for seed in range(rounds):
@@ -214,7 +215,7 @@ def test_sampling_is_lossless(family, rows, rounds):
         counts += torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
         first_rejected += [row[0] == 0 for row in out.stats.accepted]
     assert chi2_pvalue(counts, joint(model)) > 0.001
-    assert 0.05 < sum(first_rejected) / len(first_rejected) < 0.95
+    assert 0.02 < sum(first_rejected) / len(first_rejected) < 0.98  # drafts accepted, and rejected, for real
 
 
 # ---- training ----------------------------------------------------------------------------------------------------
