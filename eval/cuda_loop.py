@@ -82,7 +82,7 @@ from eval.acceptance import Acceptance
 from eval.decoder import SpeculativeDecoder
 from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
 from eval.drafters import DraftModelDrafter, NgramDrafter
-from eval.protocol import Committed, DecodeState, Draft, Sampling
+from eval.protocol import Committed, DecodeState, Draft, ExtraNodes, Sampling
 from eval.runtime import bucket
 from eval.tree import Tree
 
@@ -135,6 +135,7 @@ class StepBuffers:
         self.active_host = torch.zeros(batch_size, dtype=torch.bool, pin_memory=pin)
         self.draft: Draft | None = None
         self._probs: torch.Tensor | None = None
+        self._extra: torch.Tensor | None = None
         self.acceptance: Acceptance | None = None
         self.committed: Committed | None = None
         self.packed: torch.Tensor | None = None
@@ -185,7 +186,13 @@ class StepBuffers:
             dst.copy_(src)
         if d.probs is not None:
             self._probs.copy_(d.probs)
-        self.draft = Draft(s.tokens, s.tree, self._probs if d.probs is not None else None)
+        extra = None
+        if d.extra is not None:  # lookahead's window: its tokens change, its layout (offsets, mask) does not
+            if self._extra is None or self._extra.shape != d.extra.tokens.shape:
+                self._extra = torch.empty_like(d.extra.tokens)
+            self._extra.copy_(d.extra.tokens)
+            extra = ExtraNodes(self._extra, d.extra.offsets, d.extra.mask)
+        self.draft = Draft(s.tokens, s.tree, self._probs if d.probs is not None else None, extra=extra)
 
     def write_step(self, acc: Acceptance, committed: Committed) -> None:
         if self.committed is None:
@@ -351,9 +358,6 @@ class FusedDecoder:
             raise ValueError(f"the fused loop runs on the static-cache runtime; verifier model_type "
                              f"{decoder.verifier.config.model_type!r} runs on the generic path (use the unfused "
                              "decoder)")
-        if decoder.drafter.num_extra_nodes:
-            raise ValueError(f"the fused loop has no place for {decoder.method!r}'s extra (lookahead) nodes; use the "
-                             "unfused decoder")
         if decoder.first_token != "draft":
             raise ValueError(f"the fused loop takes its first token from the first verification step; this decoder "
                              f"has first_token={decoder.first_token!r} (use the unfused decoder for that)")
@@ -401,7 +405,8 @@ class FusedDecoder:
         t0 = self.tick()
         N = self.num_draft_tokens
         B = self.buckets.batch_size(len(prompts))
-        capacity = self.buckets.capacity_for(max(map(len, prompts)) + max_new_tokens + 2 * N + 2)
+        capacity = self.buckets.capacity_for(max(map(len, prompts)) + max_new_tokens + 2 * N + 2 +
+                                             self.drafter.num_extra_nodes)
         S = self._buffers_for(B, capacity)
         pad = self.decoder.verifier.config.pad_token_id or 0
         state = S.load(prompts, pad)
@@ -419,9 +424,9 @@ class FusedDecoder:
     def _plan(self, loop: LoopState) -> int:
         """This step's window W, and the lengths drafters and decoder.verify size their windows by: W - N - 1.
         W covers verifying N+1 nodes, observing up to D+1 committed tokens and the next proposal."""
-        N = self.num_draft_tokens
-        W = self.buckets.window_for(max(loop.lengths) + 3 * (N + 1), self.buffers.capacity)
-        loop.state.lengths_host = [W - N - 1] * self.buffers.batch_size
+        N, E = self.num_draft_tokens, self.drafter.num_extra_nodes
+        W = self.buckets.window_for(max(loop.lengths) + 3 * (N + 1) + E, self.buffers.capacity)
+        loop.state.lengths_host = [W - N - 1 - E] * self.buffers.batch_size
         return W
 
     def step(self, loop: LoopState, sampling: Sampling, timings: dict | None = None) -> list[list[int]]:

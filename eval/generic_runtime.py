@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eval.runtime import SUPPORTED_MODEL_TYPES, ModelRunner, RunnerOutput, UnsupportedModelError
+from eval.runtime import SUPPORTED_MODEL_TYPES, ModelRunner, RunnerBase, RunnerOutput, UnsupportedModelError
 from models.verifier import capture_layer_inputs
 
 _announced: set[str] = set()
@@ -65,7 +65,7 @@ class GenericCache:
         return total
 
 
-class GenericRunner:
+class GenericRunner(RunnerBase):
     """Drives any HF causal LM with a cache, row by row (see the module docstring); ModelRunner's interface."""
 
     generic = True
@@ -83,14 +83,6 @@ class GenericRunner:
         self.embed_tokens = model.get_input_embeddings()
         self.lm_head = model.get_output_embeddings()
         self.vocab_size = model.config.vocab_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def new_cache(self, batch_size: int, capacity: int) -> GenericCache:
         return GenericCache(batch_size, capacity)

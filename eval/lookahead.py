@@ -14,7 +14,8 @@ The two branches cannot see each other (the extra nodes, `eval.protocol.ExtraNod
 root and their own window). The pool also takes the n-grams of the prompt and of the committed text (`context_pool`,
 on by default: n-grams that occur in the text itself, as prompt lookup finds them; off gives the paper's pool of
 trajectory n-grams only). Window and pool are kept per row on the host; one host sync per step reads the root and
-the new level. A step runs 1 + G(N-1) + W(N-1) tokens through the verifier.
+the new level. A step runs 1 + G(N-1) + W(N-1) tokens through the verifier. The fused loop runs it with the drafter
+eager (host work) between the verifier's segments.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ class LookaheadDrafter(Drafter):
         drafts, window = [], []
         for b in range(B):
             root = host[b][0]
-            if len(host[b]) > 1 and state.active_host[b]:
+            if len(host[b]) > 1:  # finished rows too (harmless): the fused loop keeps no per-row host flags here
                 new = host[b][1:]
                 levels = self.levels[b]
                 for j in range(self.W):  # each column's trajectory is an n-gram of N consecutive guesses

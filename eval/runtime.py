@@ -152,7 +152,22 @@ def check_supported(model: nn.Module, what: str = "verifier") -> None:
         )
 
 
-class ModelRunner:
+class RunnerBase:
+    """What both runners (this one and eval/generic_runtime.py's) expose besides forward: device and dtype, read
+    off the model's input embedding table (`embed_tokens`, set by the subclass)."""
+
+    embed_tokens: nn.Module
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+
+class ModelRunner(RunnerBase):
     """Drives one HF causal LM (verifier or draft model) over a `StaticKVCache`."""
 
     def __init__(self, model: nn.Module, what: str = "verifier"):
@@ -177,14 +192,6 @@ class ModelRunner:
             self.layer_windows = [window if t == "sliding_attention" else None for t in types[: len(self.layers)]]
         else:
             self.layer_windows = [window] * len(self.layers)
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         return StaticKVCache(len(self.layers), batch_size, capacity, self.num_kv_heads, self.head_dim, self.dtype,
