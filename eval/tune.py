@@ -15,8 +15,12 @@ What the choice depends on, measured on the given prompts (greedy, or `--tempera
 The prediction for a chain of N: time = prefill + (new tokens / E_N) x (verifier(N+1) + drafter(N)), against
 prefill + new tokens x plain step; speedup = the ratio. Every (method, N) is predicted; the `--confirm` best (and
 each other candidate's best) are then decoded for real, each beside plain decoding, and the table shows predicted against measured speedup and
-tau. The winner among the confirmed is printed as a vLLM `speculative_config` and SGLang flags. Chains only (trees:
-not yet). Writes DIR/tune.json and DIR/tune.png (predicted speedup against draft length per method).
+tau. Medusa exports also get static trees of `--tree-budgets` nodes predicted: the export's per-head rank
+accuracies (held-out, from training), scaled head by head so the top-1 chain accepts what was measured, give each
+tree's expected tau (`calibrated_ranks`, `medusa_tree_tau`); its nodes cost the loop what as many chain tokens do.
+The winner among the confirmed is printed, and the best confirmed chain (what vLLM and SGLang serve) as a vLLM
+`speculative_config` and SGLang flags. EAGLE's dynamic trees are not predicted (no per-budget model yet). Writes
+DIR/tune.json and DIR/tune.png (predicted speedup against chain length per candidate, measured points marked).
 
 The brief's exercise lives here too: `expected_tokens(alpha, n)` = (1 - alpha^(n+1)) / (1 - alpha) for i.i.d.
 acceptance at rate alpha, and `optimal_draft_length(alpha, cost)` under a draft cost of `cost` verifier calls per
@@ -84,6 +88,8 @@ class DrafterProfile:
     """N -> decode-phase seconds per verifier call (the whole step) at chain N (N = 1 and K)."""
     drafter_s: dict[int, float] = field(default_factory=dict)
     """N -> the step minus the verifier's forward over N+1 tokens: drafter + loop bookkeeping per step."""
+    rank_accuracy: list[list[float]] | None = None
+    """Medusa: the export's per-head rank accuracies (`draftheads.rank_accuracy`), for tree predictions."""
 
     def drafter_cost(self, n: int) -> float:
         lo, hi = min(self.drafter_s), max(self.drafter_s)
@@ -98,8 +104,10 @@ class DrafterProfile:
         return (self.drafter_s[hi] - self.drafter_s[lo]) / (hi - lo) if hi > lo else 0.0
 
 
-def method_options(method: str, n: int) -> dict:
-    """The engine options for a chain of n draft tokens."""
+def method_options(method: str, n: int, tree: bool = False) -> dict:
+    """The engine options for a chain of n draft tokens (or Medusa's static tree of n nodes)."""
+    if tree:
+        return {"tree_budget": n}
     if method == "ngram":
         return {"num_draft_tokens": n}
     if method == "draft-model":
@@ -118,12 +126,12 @@ def longest_chain(verifier, candidate: Candidate, k: int) -> int:
     return min(k, make_drafter("medusa", verifier, candidate.draft, chain=True).num_draft_tokens)
 
 
-def decoder_for(verifier, candidate: Candidate, n: int | None):
+def decoder_for(verifier, candidate: Candidate, n: int | None, tree: bool = False):
     from eval.decoder import SpeculativeDecoder, make_drafter
 
     if n is None:
         return SpeculativeDecoder(verifier, method="autoregressive")
-    options = method_options(candidate.method, n)
+    options = method_options(candidate.method, n, tree)
     return SpeculativeDecoder(verifier, make_drafter(candidate.method, verifier, candidate.draft, **options),
                               candidate.method)
 
@@ -219,10 +227,17 @@ class Prediction:
     method: str
     draft: str | None
     n: int
+    """Draft tokens per step: the chain's length, or the tree's node budget."""
     tau: float
     speedup: float
     measured_tau: float | None = None
     measured_speedup: float | None = None
+    tree: bool = False
+    """A static tree of n nodes (Medusa's `tree_budget`) rather than a chain."""
+
+    @property
+    def shape(self) -> str:
+        return f"tree of {self.n}" if self.tree else f"chain of {self.n}"
 
     @property
     def error(self) -> float | None:
@@ -232,18 +247,47 @@ class Prediction:
 
 
 def predict(profiles: list[DrafterProfile], verify_s: dict[int, float], baseline: DecodeRun,
-            max_draft: int) -> list[Prediction]:
-    """Predicted tau and speedup of every (candidate, chain length 1..max_draft), best first."""
+            max_draft: int, tree_budgets: tuple[int, ...] = ()) -> list[Prediction]:
+    """Predicted tau and speedup of every (candidate, chain length 1..max_draft) and, for Medusa exports with rank
+    accuracies, every static tree of `tree_budgets` nodes; best first."""
     new_per_prompt = baseline.new_tokens
     plain = baseline.seconds
     rows = []
+
+    def add(prof, n, tau, tree=False):
+        step = verify_s[n + 1] + prof.drafter_cost(n)  # a tree's nodes cost the loop what a chain's tokens do
+        seconds = baseline.prefill_s + new_per_prompt / tau * step
+        rows.append(Prediction(prof.label, prof.method, prof.draft, n, tau, plain / seconds, tree=tree))
+
     for prof in profiles:
         for n in range(1, min(max_draft, len(prof.per_position)) + 1):
-            tau = 1 + sum(prof.per_position[:n])
-            step = verify_s[n + 1] + prof.drafter_cost(n)
-            seconds = baseline.prefill_s + new_per_prompt / tau * step
-            rows.append(Prediction(prof.label, prof.method, prof.draft, n, tau, plain / seconds))
+            add(prof, n, 1 + sum(prof.per_position[:n]))
+        if prof.rank_accuracy:
+            for b in tree_budgets:
+                add(prof, b, medusa_tree_tau(prof.rank_accuracy, prof.per_position, b), tree=True)
     return sorted(rows, key=lambda r: -r.speedup)
+
+
+def calibrated_ranks(rank_acc: list[list[float]], per_position: list[float]) -> list[list[float]]:
+    """The export's per-head rank accuracies (held-out, from training) scaled head by head so that the top-1 chain
+    accepts what the measured chain accepted: head i's row times (p_{i+1} / p_i) / acc[i][0], capped at 1."""
+    rows, prev = [], 1.0
+    for i, row in enumerate(rank_acc):
+        if i >= len(per_position) or row[0] <= 0 or prev <= 0:
+            rows.append(list(row))
+            continue
+        scale = (per_position[i] / prev) / row[0]
+        prev = per_position[i]
+        rows.append([min(1.0, p * scale) for p in row])
+    return rows
+
+
+def medusa_tree_tau(rank_acc: list[list[float]], per_position: list[float], budget: int) -> float:
+    """tau of the best static tree of `budget` nodes under the calibrated rank accuracies (head independence)."""
+    from models.medusa import build_medusa_tree, expected_accepted_length
+
+    rows = calibrated_ranks(rank_acc, per_position)
+    return 1 + expected_accepted_length(build_medusa_tree(rows, budget), rows)
 
 
 def serve_config(pred: Prediction) -> tuple[dict, str]:
@@ -280,6 +324,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-draft", type=int, default=6, help="longest chain to consider (K)")
+    p.add_argument("--tree-budgets", type=int, nargs="*", default=[4, 8, 16],
+                   help="Medusa static trees of these many nodes are predicted too (from the export's rank "
+                        "accuracies, calibrated by the measured chain)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--confirm", type=int, default=3,
                    help="decode this many of the best predictions for real (and each other candidate's best)")
@@ -318,6 +365,8 @@ def check_args(args) -> None:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected a positive number")
     if args.temperature < 0:
         raise UsageError(f"--temperature {args.temperature}: expected >= 0 (0 = greedy)")
+    if any(b < 1 for b in args.tree_budgets):
+        raise UsageError(f"--tree-budgets {' '.join(map(str, args.tree_budgets))}: expected positive node counts")
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -327,14 +376,14 @@ def check_args(args) -> None:
 
 def table(rows: list[Prediction], ranked: list[Prediction]) -> str:
     """Markdown rows; rank = the place in `ranked` (all predictions, best first)."""
-    lines = ["| rank | candidate | N | tau predicted | tau measured | speedup predicted | speedup measured | error |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| rank | candidate | draft | tau predicted | tau measured | speedup predicted | speedup measured | error |",
+             "|---:|---|---|---:|---:|---:|---:|---:|"]
     for r in rows:
         i = ranked.index(r) + 1
         m_tau = f"{r.measured_tau:.2f}" if r.measured_tau is not None else ""
         m_sp = f"{r.measured_speedup:.2f}x" if r.measured_speedup is not None else ""
         err = f"{100 * r.error:+.0f}%" if r.error is not None else ""
-        lines.append(f"| {i} | {r.label} | {r.n} | {r.tau:.2f} | {m_tau} | {r.speedup:.2f}x | {m_sp} | {err} |")
+        lines.append(f"| {i} | {r.label} | {r.shape} | {r.tau:.2f} | {m_tau} | {r.speedup:.2f}x | {m_sp} | {err} |")
     return "\n".join(lines)
 
 
@@ -346,7 +395,7 @@ def plot(predictions: list[Prediction], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for label in dict.fromkeys(p.label for p in predictions):
-        rows = sorted((p for p in predictions if p.label == label), key=lambda p: p.n)
+        rows = sorted((p for p in predictions if p.label == label and not p.tree), key=lambda p: p.n)
         line, = ax.plot([p.n for p in rows], [p.speedup for p in rows], marker="o", label=f"{label} (predicted)")
         done = [p for p in rows if p.measured_speedup is not None]
         if done:
@@ -406,7 +455,8 @@ def run(args, candidates: list[Candidate]) -> int:
     measure(plain_decoder, 0)  # warm-up
     baseline = measure(plain_decoder, 0)
     context = round(sum(map(len, prompts)) / len(prompts) + M / 2)
-    measured_verify_s = verifier_costs(verifier, context, K + 1)
+    budgets = tuple(sorted(set(args.tree_budgets))) if any(c.method == "medusa" for c in candidates) else ()
+    measured_verify_s = verifier_costs(verifier, context, max([K, *budgets]) + 1)
     verify_s = fit_line(measured_verify_s)
     profiles = []
     for cand in candidates:
@@ -416,8 +466,12 @@ def run(args, candidates: list[Candidate]) -> int:
         prof = DrafterProfile(cand.label, cand.method, cand.draft, runs[k].per_position,
                               {n: r.step_s for n, r in runs.items()})
         prof.drafter_s = {n: max(0.0, s - verify_s[n + 1]) for n, s in prof.step_s.items()}
+        if cand.method == "medusa":
+            from models.layouts.folder import read_config
+
+            prof.rank_accuracy = (read_config(Path(cand.draft)).get("draftheads") or {}).get("rank_accuracy")
         profiles.append(prof)
-    predictions = predict(profiles, verify_s, baseline, K)
+    predictions = predict(profiles, verify_s, baseline, K, budgets)
     top = predictions[: args.confirm]
     for label in dict.fromkeys(p.label for p in predictions):  # and each other candidate's best, measured too
         if all(p.label != label for p in top):
@@ -425,12 +479,14 @@ def run(args, candidates: list[Candidate]) -> int:
     say(f"[tune] confirming the best {len(top)} by decoding, each beside plain decoding")
     for pred in top:
         cand = Candidate(pred.label, pred.method, pred.draft)
-        run_ = measure(decoder_for(verifier, cand, pred.n))
+        run_ = measure(decoder_for(verifier, cand, pred.n, pred.tree))
         plain = measure(plain_decoder, 0)
         pred.measured_tau = run_.tau
         pred.measured_speedup = plain.seconds / run_.seconds
     winner = max(top, key=lambda p: p.measured_speedup)
-    vllm, sglang = serve_config(winner)
+    chains = [p for p in top if not p.tree]  # what vLLM and SGLang serve: chains (vLLM drafts Medusa's top-1 chain)
+    served = max(chains, key=lambda p: p.measured_speedup) if chains else None
+    vllm, sglang = serve_config(served) if served else (None, "(no chain among the confirmed)")
     out = Path(args.out)
     plot(predictions, out / "tune.png")
     result = {"verifier": args.verifier, "prompts": args.prompts, "num_prompts": len(prompts),
@@ -440,7 +496,8 @@ def run(args, candidates: list[Candidate]) -> int:
               "baseline": asdict(baseline) | {"step_s": baseline.step_s},
               "profiles": [asdict(p) | {"cost_per_draft_token_s": p.cost_per_draft_token} for p in profiles],
               "predictions": [asdict(p) | {"error": p.error} for p in predictions],
-              "winner": asdict(winner), "vllm_speculative_config": vllm, "sglang_flags": sglang}
+              "winner": asdict(winner), "served": asdict(served) if served else None,
+              "vllm_speculative_config": vllm, "sglang_flags": sglang}
     from models.atomic import write_text
 
     write_text(out / "tune.json", json.dumps(result, indent=2))
@@ -454,8 +511,11 @@ def run(args, candidates: list[Candidate]) -> int:
               f"+{1000 * p.cost_per_draft_token:.2f} ms per extra draft token")
     print()
     print(table(top + [p for p in predictions if p not in top][:6], predictions))
-    print(f"\nwinner (measured): {winner.label}, chain of {winner.n}: {winner.measured_speedup:.2f}x, "
+    print(f"\nwinner (measured): {winner.label}, {winner.shape}: {winner.measured_speedup:.2f}x, "
           f"tau {winner.measured_tau:.2f}")
+    if served is not None and served is not winner:
+        print(f"the engines serve chains: best confirmed chain {served.label}, {served.shape}: "
+              f"{served.measured_speedup:.2f}x")
     print(f"vLLM: speculative_config={json.dumps(vllm)}")
     print(f"SGLang: {sglang}")
     print(f"\nwrote {out / 'tune.json'} and {out / 'tune.png'}")

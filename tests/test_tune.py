@@ -49,6 +49,18 @@ def test_prediction_formula():
     assert prof.cost_per_draft_token == pytest.approx(0.002)
 
 
+def test_medusa_trees_from_calibrated_rank_accuracies():
+    from eval.tune import calibrated_ranks, medusa_tree_tau
+
+    ranks = [[0.5, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    measured = [0.6, 0.3]  # the chain accepted more at depth 1 and less at depth 2 than the table says
+    rows = calibrated_ranks(ranks, measured)
+    assert rows[0][0] == pytest.approx(0.6) and rows[1][0] == pytest.approx(0.5)  # P(2 | 1) = 0.3 / 0.6
+    assert rows[0][1] == pytest.approx(0.24)
+    assert medusa_tree_tau(ranks, measured, 2) == pytest.approx(1 + 0.6 + max(0.24, 0.3))  # rank 1, or depth 2
+    assert medusa_tree_tau(ranks, measured, 1) == pytest.approx(1.6)
+
+
 def test_serve_settings_for_each_method(tmp_path):
     vllm, sglang = serve_config(Prediction("ngram", "ngram", None, 4, 2.0, 1.5))
     assert vllm == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -76,7 +88,7 @@ def test_tune_end_to_end(tmp_path, capsys):
     assert code == 0, printed
     result = json.loads((out / "tune.json").read_text())
     preds = result["predictions"]
-    assert len(preds) == 3 * 3 and preds == sorted(preds, key=lambda p: -p["speedup"])
+    assert len(preds) == 3 * 3 and preds == sorted(preds, key=lambda p: -p["speedup"])  # no Medusa here: no trees
     confirmed = [p for p in preds if p["measured_speedup"] is not None]
     assert preds[:2] == confirmed[:2] and {p["label"] for p in confirmed} == {p["label"] for p in preds}
     for label in {p["label"] for p in preds}:  # each candidate's best prediction is among the confirmed
