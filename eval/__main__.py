@@ -36,14 +36,12 @@ import sys
 import time
 from pathlib import Path
 
+from eval.cli_common import UsageError, encode_prompts, load_tokenizer  # shared with eval/tune.py
+
 ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle")
 COMPARE = ("autoregressive", "hf", "hf-assisted")
 HF_ASSISTED_OPTIONS = ["assistant", "prompt_lookup_num_tokens", "max_matching_ngram_size"]
-
-
-class UsageError(ValueError):
-    """A command line that cannot run; the message says which flag to fix."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -142,17 +140,6 @@ def method_specs(methods: list[str] | None, drafts: list[str], options: list[str
     return specs
 
 
-def load_tokenizer(verifier, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
-    folder = verifier.path
-    try:
-        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    except Exception as err:  # no tokenizer files: say which folder
-        raise UsageError(f"verifier folder {str(folder)!r} has no usable tokenizer ({type(err).__name__}: {err}); "
-                         "the prompts are text, so the verifier folder needs its tokenizer files") from None
-
-
 def check_draft_tokenizer(specs, tokenizer) -> None:
     """A draft model must share the verifier's tokens: refuse a folder whose tokenizer differs."""
     from transformers import AutoTokenizer
@@ -167,21 +154,6 @@ def check_draft_tokenizer(specs, tokenizer) -> None:
         if theirs.get_vocab() != tokenizer.get_vocab():
             raise UsageError(f"--draft {spec.draft}: its tokenizer differs from the verifier's ({len(theirs)} vs "
                              f"{len(tokenizer)} tokens); a draft model must use the verifier's tokenizer")
-
-
-def encode_prompts(prompts, tokenizer, chat_template, max_positions: int | None, max_new_tokens: int):
-    from data.prompts import prompt_ids
-
-    encoded = []
-    for p in prompts:
-        ids = prompt_ids(p, tokenizer, chat_template)
-        if not ids:
-            raise UsageError(f"prompt {p.id!r} encodes to no tokens")
-        if max_positions and len(ids) + max_new_tokens > max_positions:
-            raise UsageError(f"prompt {p.id!r} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that "
-                             f"exceeds the verifier's max_position_embeddings={max_positions}")
-        encoded.append((p.id, ids))
-    return encoded
 
 
 def check_args(args) -> None:

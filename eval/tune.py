@@ -339,7 +339,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_candidates(entries: list[str]) -> list[Candidate]:
-    from eval.__main__ import UsageError
+    from eval.cli_common import UsageError
 
     out = []
     for entry in entries:
@@ -358,7 +358,7 @@ def parse_candidates(entries: list[str]) -> list[Candidate]:
 
 
 def check_args(args) -> None:
-    from eval.__main__ import UsageError
+    from eval.cli_common import UsageError
 
     for flag in ("num_prompts", "max_new_tokens", "max_draft", "confirm", "repeats"):
         if getattr(args, flag) < 1:
@@ -412,7 +412,7 @@ def plot(predictions: list[Prediction], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from data.config import DataError
-    from eval.__main__ import UsageError
+    from eval.cli_common import UsageError
     from models.export import DrafterFormatError
     from models.verifier import VerifierError
 
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, candidates: list[Candidate]) -> int:
     from data.progress import quiet
     from data.prompts import load_prompts
-    from eval.__main__ import encode_prompts, load_tokenizer
+    from eval.cli_common import encode_prompts, load_tokenizer
     from models.verifier import Verifier
 
     say = (lambda *a: None) if quiet() else (lambda *a: print(*a, file=sys.stderr, flush=True))
