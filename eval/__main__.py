@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from eval.cli_common import UsageError, encode_prompts, load_tokenizer  # shared with eval/tune.py
+from eval.cli_common import UsageError, encode_prompts, load_tokenizer, report_errors  # shared with eval/tune.py
 
 ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle")
@@ -182,34 +182,18 @@ def check_args(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.config import DataError
-    from models.eagle import EagleError
-    from models.export import DrafterFormatError
-    from models.verifier import VerifierError
-
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["tune"]:  # python -m eval tune ...: choose the method and draft length (eval/tune.py)
         from eval.tune import main as tune
 
         return tune(argv[1:])
     args = parser().parse_args(argv)
-    try:
+
+    def checked_run():
         check_args(args)
         return run(args, argv)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (DataError, VerifierError, DrafterFormatError, EagleError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    except ValueError as err:  # a method option out of range (the engine's checks name the option)
-        if os.environ.get("DRAFTHEADS_TRACEBACK"):
-            raise
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"error: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
-        return 1
+
+    return report_errors(checked_run)
 
 
 def run(args, argv=None) -> int:

@@ -3,9 +3,39 @@ prompts encoded and checked against the verifier's context."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 
 class UsageError(ValueError):
     """A command line that cannot run; the message says which flag to fix."""
+
+
+def report_errors(command, *args) -> int:
+    """Run `command(*args)`; a user's mistake or an environment fault becomes one line on stderr and an exit status
+    (2: the command line; 1: a file, model, drafter or disk), never a traceback (DRAFTHEADS_TRACEBACK=1 shows the
+    one of a ValueError from an engine check)."""
+    from data.config import DataError
+    from models.eagle import EagleError
+    from models.export import DrafterFormatError
+    from models.verifier import VerifierError
+
+    try:
+        return command(*args)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (DataError, VerifierError, DrafterFormatError, EagleError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # a method option out of range (the engine's checks name the option)
+        if os.environ.get("DRAFTHEADS_TRACEBACK"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 1
 
 
 def load_tokenizer(verifier, trust_remote_code: bool = False):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from eval.metrics import per_position_acceptance, tau
-from eval.runtime import SUPPORTED_MODEL_TYPES
+from eval.generic_runtime import on_generic_path
 
 
 class ConsistencyError(RuntimeError):
@@ -112,7 +112,7 @@ def check_export(drafter, export_dir: str | os.PathLike, verifier, prompts: list
     if not (export_dir / "config.json").is_file():
         raise ConsistencyError(f"{export_dir}: no exported drafter there (config.json missing)")
     memory_verifier = export_verifier = verifier
-    if verifier.config.model_type not in SUPPORTED_MODEL_TYPES:  # the generic path verifies chains only
+    if on_generic_path(verifier.config):  # the generic path verifies chains only
         if method == "medusa":
             options.setdefault("chain", True)
             tree = None

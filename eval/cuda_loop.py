@@ -82,6 +82,7 @@ from eval.acceptance import Acceptance
 from eval.decoder import SpeculativeDecoder
 from eval.generation import CONFIG_EOS, GenerationResult, add_times, generate, tick
 from eval.drafters import DraftModelDrafter, NgramDrafter
+from eval.generic_runtime import is_generic
 from eval.protocol import Committed, DecodeState, Draft, ExtraNodes, Sampling
 from eval.runtime import bucket
 from eval.tree import Tree
@@ -354,7 +355,7 @@ class FusedDecoder:
     def __init__(self, decoder: SpeculativeDecoder, graphs: bool | None = None, buckets: Buckets = Buckets(),
                  backend: str = "auto", capture_drafter: bool | None = None, sync_timings: bool = False,
                  strict_graphs: bool = False):
-        if getattr(decoder.runner, "generic", False):
+        if is_generic(decoder.runner):
             raise ValueError(f"the fused loop runs on the static-cache runtime; verifier model_type "
                              f"{decoder.verifier.config.model_type!r} runs on the generic path (use the unfused "
                              "decoder)")

@@ -270,8 +270,8 @@ class SpeculativeDecoder:
         pos = torch.cat([L[:, None] + tree.depth, L[:, None] + extra.offsets[None]], 1)
         j = torch.arange(window, device=dev)
         sees = (j[None, None, :] <= L[:, None, None]).expand(B, E, window).clone()  # prefix and root
-        cols = (L[:, None] + n + torch.arange(E, device=dev))[:, None, :].expand(B, E, E)
-        sees |= torch.zeros_like(sees).scatter_(2, cols, extra.mask[None].expand(B, E, E))
+        cols = (L[:, None] + n + torch.arange(E, device=dev))[:, None, :].expand(B, E, E)  # the extra nodes' slots
+        sees.scatter_(2, cols, extra.mask[None].expand(B, E, E))  # past the root: nothing there to overwrite
         mask = torch.cat([tree_attention_mask(L, tree.ancestors, window), sees], 1)  # (B, N+1+E, W)
         out = self.runner(self.cache, torch.cat([ids, extra.tokens], 1), pos, slots, mask,
                           layer_ids=self.drafter.layer_ids)

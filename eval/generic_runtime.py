@@ -31,7 +31,7 @@ _announced: set[str] = set()
 
 
 class GenericCache:
-    """One DynamicCache per row; `lengths` says how many entries each holds."""
+    """One DynamicCache per row; `length(b)` says how many entries row b holds."""
 
     def __init__(self, batch_size: int, capacity: int):
         self.rows = [DynamicCache() for _ in range(batch_size)]
@@ -54,15 +54,6 @@ class GenericCache:
     def compact(self, base, path) -> None:
         raise UnsupportedModelError("the generic path verifies chains only; a tree's accepted path cannot be "
                                     "compacted in a model's own cache")
-
-    def nbytes(self) -> int:
-        total = 0
-        for cache in self.rows:
-            for layer in cache.layers:
-                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                    if isinstance(t, torch.Tensor):
-                        total += t.numel() * t.element_size()
-        return total
 
 
 class GenericRunner(RunnerBase):
@@ -94,14 +85,14 @@ class GenericRunner(RunnerBase):
         entries (the rest is cropped first). Returns the outputs at the n positions, as ModelRunner does."""
         starts = slots.min(1).values.tolist()
         finals, feats = [], {i: [] for i in layer_ids}
-        for b, start in enumerate(starts):
-            cache.crop_to(b, start)
-            with capture_layer_inputs(self.layers, layer_ids) as captured:
+        with capture_layer_inputs(self.layers, layer_ids) as captured:  # each row's forward refills `captured`
+            for b, start in enumerate(starts):
+                cache.crop_to(b, start)
                 out = self.decoder(input_ids=input_ids[b: b + 1], position_ids=positions[b: b + 1],
                                    cache=cache.rows[b], use_cache=True)
-            finals.append(out.last_hidden_state)
-            for i in layer_ids:
-                feats[i].append(captured[i])
+                finals.append(out.last_hidden_state)
+                for i in layer_ids:
+                    feats[i].append(captured[i])
         final = torch.cat(finals)
         layers = {i: torch.cat(v) for i, v in feats.items()}
         return RunnerOutput(final=final, layers=layers, logits=self.lm_head(final) if logits else None)
@@ -109,12 +100,17 @@ class GenericRunner(RunnerBase):
     __call__ = forward
 
 
+def on_generic_path(config) -> bool:
+    """Whether a model with this config decodes on the generic path (not one of the static runtime's families)."""
+    return getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES
+
+
 def make_runner(model: nn.Module, what: str = "verifier"):
     """The static-cache runner for the families it supports, the generic one for any other (said once per model
     type: it is slower, rows one at a time, and verifies chains only)."""
-    model_type = getattr(model.config, "model_type", type(model).__name__)
-    if model_type in SUPPORTED_MODEL_TYPES:
+    if not on_generic_path(model.config):
         return ModelRunner(model, what)
+    model_type = getattr(model.config, "model_type", type(model).__name__)
     if model_type not in _announced:
         _announced.add(model_type)
         warnings.warn(

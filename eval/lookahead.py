@@ -13,8 +13,8 @@ branches besides the root:
 The two branches cannot see each other (the extra nodes, `eval.protocol.ExtraNodes`, attend only to the prefix, the
 root and their own window). The pool also takes the n-grams of the prompt and of the committed text (`context_pool`,
 on by default: n-grams that occur in the text itself, as prompt lookup finds them; off gives the paper's pool of
-trajectory n-grams only). Window and pool are kept per row on the host; one host sync per step reads the root and
-the new level. A step runs 1 + G(N-1) + W(N-1) tokens through the verifier. The fused loop runs it with the drafter
+trajectory n-grams only). Window and pool are kept per row on the host: propose reads the root and the new level
+in one host sync, and with `context_pool` observe reads the committed tokens. A step runs 1 + G(N-1) + W(N-1) tokens through the verifier. The fused loop runs it with the drafter
 eager (host work) between the verifier's segments.
 """
 

@@ -92,11 +92,9 @@ class DrafterProfile:
     """Medusa: the export's per-head rank accuracies (`draftheads.rank_accuracy`), for tree predictions."""
 
     def drafter_cost(self, n: int) -> float:
-        lo, hi = min(self.drafter_s), max(self.drafter_s)
-        if hi == lo:
-            return self.drafter_s[lo]
-        slope = (self.drafter_s[hi] - self.drafter_s[lo]) / (hi - lo)
-        return max(0.0, self.drafter_s[lo] + slope * (n - lo))
+        """The line through the measured points, at n draft tokens (never below zero)."""
+        lo = min(self.drafter_s)
+        return max(0.0, self.drafter_s[lo] + self.cost_per_draft_token * (n - lo))
 
     @property
     def cost_per_draft_token(self) -> float:
@@ -108,9 +106,7 @@ def method_options(method: str, n: int, tree: bool = False) -> dict:
     """The engine options for a chain of n draft tokens (or Medusa's static tree of n nodes)."""
     if tree:
         return {"tree_budget": n}
-    if method == "ngram":
-        return {"num_draft_tokens": n}
-    if method == "draft-model":
+    if method in ("ngram", "draft-model"):
         return {"num_draft_tokens": n}
     if method in ("medusa", "eagle"):
         return {"chain": n}
@@ -157,6 +153,8 @@ class DecodeRun:
 def decode(decoder, prompts: list[list[int]], max_new_tokens: int, temperature: float, depth: int,
            repeats: int = 1, seed: int = 0) -> DecodeRun:
     """Every prompt one by one; the fastest of `repeats` passes counts (the decisions are the same each pass)."""
+    from eval.metrics import per_position_acceptance
+
     best = None
     for _ in range(repeats):
         seconds = prefill = 0.0
@@ -171,8 +169,7 @@ def decode(decoder, prompts: list[list[int]], max_new_tokens: int, temperature: 
             calls += s.verifier_calls
             accepted += sum(map(sum, s.accepted))
             steps += [a for row in s.accepted for a in row]
-        per_pos = [sum(a >= k for a in steps) / len(steps) for k in range(1, depth + 1)] if steps else []
-        run = DecodeRun(seconds, prefill, new, calls, accepted, per_pos)
+        run = DecodeRun(seconds, prefill, new, calls, accepted, per_position_acceptance([steps], depth))
         if best is None or run.seconds < best.seconds:
             best = run
     return best
@@ -411,22 +408,15 @@ def plot(predictions: list[Prediction], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data.config import DataError
-    from eval.cli_common import UsageError
-    from models.export import DrafterFormatError
-    from models.verifier import VerifierError
+    from eval.cli_common import report_errors
 
     args = parser().parse_args(argv)
-    try:
+
+    def checked_run():
         check_args(args)
-        candidates = parse_candidates(args.candidate)
-        return run(args, candidates)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except (DataError, VerifierError, DrafterFormatError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return run(args, parse_candidates(args.candidate))
+
+    return report_errors(checked_run)
 
 
 def run(args, candidates: list[Candidate]) -> int:

@@ -287,19 +287,28 @@ class Verifier(nn.Module):
                 "the input of layer i)"
             )
 
-    def check_head(self, what: str = "this") -> None:
+    def check_head(self, what: str = "reading its features") -> None:
         """Refuse a model whose logits are not lm_head(final post-norm hidden state) (a soft-capped or scaled head):
         every feature-based method and the engine's verification compute logits that way. One short forward."""
         ids = torch.arange(4, device=self.device)[None] % self.vocab_size
-        with torch.no_grad():
-            ours = self.lm_head(self.decoder(input_ids=ids, use_cache=False).last_hidden_state).float()
-            theirs = self.model(input_ids=ids, use_cache=False).logits.float()
+        final = {}
+
+        def keep_final(module, args, out):  # returns None: the decoder's output goes on unchanged
+            final["h"] = out.last_hidden_state
+
+        hook = self.decoder.register_forward_hook(keep_final)
+        try:
+            with torch.no_grad():  # one forward: the decoder's output on the way, the model's logits at the end
+                theirs = self.model(input_ids=ids, use_cache=False).logits.float()
+                ours = self.lm_head(final["h"]).float()
+        finally:
+            hook.remove()
         if not torch.isfinite(theirs).all():  # a broken model: nothing to compare (the trainers' guard reports it)
             return
         if not torch.allclose(ours, theirs, rtol=1e-3, atol=1e-3 * float(theirs.abs().max()) + 1e-5):
             raise VerifierError(
                 f"verifier {self.name!r} (model_type {self.config.model_type!r}): its logits are not "
-                f"lm_head(final hidden state) (soft-capped or scaled output head), which {what} method needs")
+                f"lm_head(final hidden state) (soft-capped or scaled output head), which {what} needs")
 
     # ---- forward -------------------------------------------------------------------------------------------------
     @torch.no_grad()
