@@ -60,6 +60,11 @@ class EagleTreeDrafter(Drafter):
                  tree_sampling: str | None = None, window_bucket: int = 64):
         self.model = model.eval().requires_grad_(False)
         self.version = model.version
+        self.parallel = bool(getattr(model, "parallel", False))
+        if self.parallel:
+            if tree_sampling == "topk" and chain is None:
+                tree_sampling = None
+            chain = model.cfg.ttt_steps if chain is None else chain
         self.chain = chain is not None
         if self.chain:
             if int(chain) < 1:
@@ -88,6 +93,8 @@ class EagleTreeDrafter(Drafter):
             self.tree = None
         self.tree_sampling = tree_sampling
         self.window_bucket = window_bucket
+        if self.parallel:
+            self.mask_token_id = model.mask_token_id
         if self.version == 3:
             self.layer_ids = tuple(model.feature_layers)
         else:
@@ -102,7 +109,8 @@ class EagleTreeDrafter(Drafter):
         self._hidden: torch.Tensor | None = None
 
     def describe(self) -> dict:
-        d = {**super().describe(), "eagle_version": self.version, "tree_sampling": self.tree_sampling}
+        d = {**super().describe(), "eagle_version": self.version, "tree_sampling": self.tree_sampling,
+             "parallel": self.parallel}
         if self.chain:
             d["chain"] = self.depth
         else:
@@ -126,7 +134,10 @@ class EagleTreeDrafter(Drafter):
             self.cache_v = torch.zeros(shape, dtype=m.dtype, device=dev)
             self._rows = torch.arange(B, device=dev)[:, None]  # a captured forward reads it: keep its address
         self.capacity = self.cache_k.shape[2]
-        self._hidden = torch.zeros(B, 1, self.hidden_size, dtype=m.dtype, device=dev)
+        self._hidden = torch.zeros(B, self.depth if self.parallel else 1, self.hidden_size, dtype=m.dtype, device=dev)
+        if self.parallel:
+            with torch.no_grad():
+                self._mask_feature = m.mask_feature().to(dev)  # (H,): fc(mask_hidden), the same every step
         self.draft_to_target = self.draft_to_target.to(dev)
         if self.chain:
             self.tree = self.tree.to(dev)
@@ -167,6 +178,8 @@ class EagleTreeDrafter(Drafter):
         B, M = committed.tokens.shape
         if M == 0:
             return
+        if self.parallel:
+            return self._observe_parallel(state, committed)
         dev = state.device
         start = committed.start  # (B,) first committed position (= slot) of each row
         steps = torch.arange(M, device=dev)
@@ -178,9 +191,41 @@ class EagleTreeDrafter(Drafter):
         self._hidden = committed.last(out)[:, None]  # (B, 1, H): o_{L-1}, the first draft level's hidden
 
     def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
+        if self.parallel:
+            return self._parallel_chain(sampling)
         if self.chain:
             return self._chain(state, sampling)
         return self._dynamic_tree(state)
+
+    # ---- parallel drafting (P-EAGLE) -----------------------------------------------------------------------------
+    def _observe_parallel(self, state: DecodeState, committed: Committed) -> None:
+        """One drafter forward per step: the committed pairs, then K-1 mask positions after the new length L
+        (the mask token with fc(mask_hidden), positions L .. L+K-2, causal), as vLLM's parallel drafting runs
+        them. The last committed pair's output gives draft 1, mask j's gives draft j+2. Mask entries sit where the
+        next step's committed pairs go (slot = position), so they are overwritten like any draft."""
+        B, M = committed.tokens.shape
+        dev, m = state.device, self.model
+        K1 = self.depth - 1
+        start, L = committed.start, state.lengths
+        steps = torch.arange(M, device=dev)
+        pos_c = start[:, None] + steps  # (B, M)
+        slot_c = torch.where(steps[None] < committed.count[:, None], pos_c, self.capacity - 1)  # padding: scratch
+        pos_m = L[:, None] + torch.arange(K1, device=dev)  # (B, K-1)
+        ids = torch.cat([committed.next_tokens, torch.full((B, K1), self.mask_token_id, device=dev)], 1)
+        hidden = torch.cat([self.features(committed).to(m.dtype), self._mask_feature.expand(B, K1, -1)], 1)
+        pos = torch.cat([pos_c, pos_m], 1)
+        W = self._window(max(state.lengths_host) + M + K1)  # covers every row's L + K - 2
+        mask = torch.arange(W, device=dev)[None, None, :] <= pos[:, :, None]  # causal over slots = positions
+        out = self.forward(ids, hidden, pos, torch.cat([slot_c, pos_m], 1), mask)
+        self._hidden = torch.cat([committed.last(out[:, :M])[:, None], out[:, M:]], 1)  # (B, K, H)
+
+    def _parallel_chain(self, sampling: Sampling) -> Draft:
+        """K draft tokens from the K outputs of the last observe; each drawn from its own distribution (none reads
+        an earlier draft, so that distribution is the exact one the chain rule needs)."""
+        logits = self.model.logits(self._hidden)  # (B, K, V')
+        picks = [self._pick(logits[:, d], sampling) for d in range(self.depth)]
+        probs = None if picks[0][1] is None else torch.stack([p for _, p in picks], 1)
+        return Draft(torch.stack([t for t, _ in picks], 1), self.tree, probs)
 
     # ---- chain ---------------------------------------------------------------------------------------------------
     def _pick(self, logits: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -84,6 +84,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.draft_losses import masked_mean, step_weights, token_loss
+
 #: Verifier families whose own decoder layer the drafter copies; every other family gets a Llama layer with its dims
 #: (`llama_layer_config`), which is also what the engines build for them.
 OWN_LAYER_FAMILIES = ("llama", "qwen2", "mistral")
@@ -124,6 +126,27 @@ class EagleConfig:
     """EAGLE-3: take the residual after hidden_norm (vLLM option); false as in the EAGLE repo and SpecForge."""
     init_from_verifier: bool = True
     """EAGLE-3: start lm_head from the verifier's rows of the draft vocabulary and norm from its final norm."""
+    loss: Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk", "lk_hybrid"] = "forward_kl"
+    """The token loss against the verifier's distribution (models/draft_losses.py): forward_kl is the soft
+    cross-entropy of the EAGLE repo; EAGLE-1 uses it for its token term."""
+    step_weights: Literal["exponential", "uniform", "reach"] = "exponential"
+    """EAGLE-3 weight of step k: decay**k, 1, or the measured chance of reaching step k (draft_losses.py)."""
+    lk_eta: float = 3.0
+    """loss=lk_hybrid: the KL term's weight is exp(-lk_eta * alpha) per position (speculators' and the paper's 3)."""
+    parallel: bool = False
+    """EAGLE-3 parallel drafting (P-EAGLE, vLLM `parallel_drafting`): the draft steps after the first read the mask
+    token and a learned `mask_hidden` instead of the previous draft, so one drafter forward drafts all of them."""
+    mask_token_id: int | None = None
+    """parallel: the token id at the mask positions (the verifier's embedding of it, frozen); None: the verifier's
+    pad token, else its eos token."""
+    parallel_keep: tuple[float, float] = (0.7, 0.2)
+    """parallel: (decay, floor): step k trains a random max(decay**k, floor) of the positions, nested over k
+    (P-EAGLE's sampling, as in speculators: 0.7, 0.2); (1, 1) trains them all."""
+    fc_norm: bool = False
+    """EAGLE 3.1: an RMS norm on each verifier layer's feature before fc (vLLM `fc_norm`)."""
+    norm_output: bool = False
+    """EAGLE 3.1: the hidden handed to the next draft step is the final norm's output, not the pre-norm one (vLLM
+    `norm_output`)."""
 
     def __post_init__(self):
         if self.version not in (1, 3):
@@ -151,6 +174,16 @@ class EagleConfig:
             raise EagleError(f"eagle.noise={self.noise}: expected >= 0")
         if self.version == 3 and self.fc_bias:
             raise EagleError("eagle.fc_bias=true: EAGLE-3 engines (vLLM, SGLang) build fc without a bias; use false")
+        if self.lk_eta < 0:
+            raise EagleError(f"eagle.lk_eta={self.lk_eta}: expected >= 0")
+        self.parallel_keep = tuple(float(x) for x in self.parallel_keep)
+        if len(self.parallel_keep) != 2 or not all(0 < x <= 1 for x in self.parallel_keep):
+            raise EagleError(f"eagle.parallel_keep={list(self.parallel_keep)}: expected [decay, floor], each in (0, 1]")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise EagleError(f"eagle.mask_token_id={self.mask_token_id}: expected a token id >= 0 or null")
+        for key in ("parallel", "fc_norm", "norm_output"):
+            if getattr(self, key) and self.version != 3:
+                raise EagleError(f"eagle.{key}=true is an EAGLE-3 option; eagle.version is {self.version}")
 
     @property
     def input_noise(self) -> float:
@@ -205,25 +238,19 @@ def add_uniform_noise(x: torch.Tensor, width: float) -> torch.Tensor:
     return x + (torch.rand_like(x) - 0.5) * width
 
 
-def soft_cross_entropy(logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean over masked positions of -sum_v p_v log softmax(logits)_v; 0 when nothing is masked in."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, T, V)
-    ce = -(target_probs * logp).sum(-1)  # (B, T)
-    mask = mask.to(ce.dtype)
-    return (ce * mask).sum() / mask.sum().clamp(min=1)
-
-
 def eagle1_loss(pred: torch.Tensor, target: torch.Tensor, pred_logits: torch.Tensor, target_logits: torch.Tensor,
-                mask: torch.Tensor, feature_weight: float = 1.0, token_weight: float = 0.1
+                mask: torch.Tensor, feature_weight: float = 1.0, token_weight: float = 0.1,
+                token_kind: str = "forward_kl", lk_eta: float = 0.5
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """EAGLE-1 loss: (total, feature SmoothL1, token soft-CE), each a mean over masked positions.
+    """EAGLE-1 loss: (total, feature SmoothL1, token loss), each a mean over masked positions; the token loss is
+    `token_kind` (models/draft_losses.py; forward_kl: the soft cross-entropy of the EAGLE repo).
 
     pred, target (B, T, H); pred_logits, target_logits (B, T, V); mask (B, T).
     """
-    m = mask.float()
-    denom = m.sum().clamp(min=1)
-    feature = (F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1) * m).sum() / denom
-    token = soft_cross_entropy(pred_logits, torch.softmax(target_logits.float(), dim=-1), mask)
+    feature = masked_mean(F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1), mask)
+    per_position, _ = token_loss(token_kind, pred_logits, torch.log_softmax(target_logits.float(), dim=-1),
+                                 lk_eta)
+    token = masked_mean(per_position, mask)
     return feature_weight * feature + token_weight * token, feature, token
 
 
@@ -231,13 +258,13 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's distribution renormalised over the draft vocabulary, its argmax and whether that is drafted.
 
-    target_logits (B, T, V) -> probs (B, T, Vd) (softmax over the draft columns), target_ids (B, T) (argmax over
-    the whole vocabulary), in_draft (B, T) bool.
+    target_logits (B, T, V) -> log-probs (B, T, Vd) (log-softmax over the draft columns), target_ids (B, T) (argmax
+    over the whole vocabulary), in_draft (B, T) bool.
     """
     target_ids = target_logits.argmax(-1)
     columns = torch.arange(d2t.numel(), device=d2t.device) + d2t  # (Vd,) target id of each draft id
-    probs = torch.softmax(target_logits.index_select(-1, columns).float(), dim=-1)
-    return probs, target_ids, t2d[target_ids]
+    logp = torch.log_softmax(target_logits.index_select(-1, columns).float(), dim=-1)
+    return logp, target_ids, t2d[target_ids]
 
 
 def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -400,6 +427,7 @@ class EagleDrafter(nn.Module):
     """The layer and attention both EAGLE versions share; see the module docstring for the inference API."""
 
     version: int
+    parallel: bool = False  # EAGLE-3 sets it from eagle.parallel
 
     def __init__(self, verifier, cfg: EagleConfig):
         super().__init__()
@@ -548,7 +576,7 @@ class EagleDrafter(nn.Module):
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
         for k in range(steps):
-            ids_k = F.pad(input_ids[:, 1 + k:], (0, 1 + k))  # x_{t+1+k}, zero past the end
+            ids_k, hidden = self._step_inputs(input_ids, hidden, k)
             x, residual = self._layer_input(self.embed(ids_k), hidden)
             q, kk, vv = self._qkv(x, position_ids + k)
             keys.append(kk)
@@ -560,6 +588,11 @@ class EagleDrafter(nn.Module):
             hidden = self._block(attn, residual)
             outs.append(hidden)
         return outs
+
+    def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor, k: int):
+        """(token ids, hidden) that TTT step k reads at every stream position: x_{t+1+k} (zero past the end) and
+        `hidden`, the previous step's output (step 0: the features)."""
+        return F.pad(input_ids[:, 1 + k:], (0, 1 + k)), hidden
 
     @torch.no_grad()
     def chain_counts(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor, steps: int | None = None,
@@ -634,7 +667,8 @@ class Eagle1Drafter(EagleDrafter):
         pred_logits = self.logits(pred)
         mask = loss_mask[:, 2:].bool()
         loss, feature, token = eagle1_loss(pred, target, pred_logits, target_logits, mask,
-                                           self.cfg.feature_weight, self.cfg.token_weight)
+                                           self.cfg.feature_weight, self.cfg.token_weight, self.cfg.loss,
+                                           self.cfg.lk_eta)
         with torch.no_grad():
             correct = pred_logits.argmax(-1) == target_logits.argmax(-1)
             counts = step_counts(correct[None], mask[None])
@@ -670,8 +704,15 @@ class Eagle3Drafter(EagleDrafter):
         self.register_buffer("d2t", d2t.clone())
         self.register_buffer("t2d", t2d.clone())
         norm_cls = _family(self.model_type)[1]
-        self.norm = norm_cls(H, eps=self.layer_config.rms_norm_eps)
+        eps = self.layer_config.rms_norm_eps
+        self.norm = norm_cls(H, eps=eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
+        if cfg.fc_norm:  # EAGLE 3.1: one norm per feature layer, before fc (vLLM fc_norm.{0,1,2})
+            self.fc_norm = nn.ModuleList([norm_cls(H, eps=eps) for _ in range(3)])
+        self.parallel = cfg.parallel
+        if cfg.parallel:  # P-EAGLE: the feature-space input of every mask position, through fc like a feature
+            self.mask_token_id = resolve_mask_token(verifier, cfg.mask_token_id)
+            self.mask_hidden = nn.Parameter(torch.randn(3 * H))
         if cfg.init_from_verifier:
             with torch.no_grad():
                 columns = torch.arange(Vd) + d2t
@@ -695,20 +736,50 @@ class Eagle3Drafter(EagleDrafter):
         return self.draft_vocab_size == self.verifier_vocab_size
 
     def project_features(self, layer_feats) -> torch.Tensor:
-        """fc over the concatenated verifier features: list of 3 x (B, T, H), or (B, T, 3H) -> (B, T, H)."""
+        """fc over the concatenated verifier features: list of 3 x (B, T, H), or (B, T, 3H) -> (B, T, H); with
+        fc_norm, each layer's H-wide block is normalised first."""
+        if isinstance(layer_feats, torch.Tensor):
+            layer_feats = layer_feats.to(self.dtype)
+            if self.cfg.fc_norm:
+                layer_feats = layer_feats.chunk(3, dim=-1)
         if not isinstance(layer_feats, torch.Tensor):
-            layer_feats = torch.cat(list(layer_feats), dim=-1)
+            layer_feats = list(layer_feats)
+            if self.cfg.fc_norm:
+                layer_feats = [norm(x.to(self.dtype)) for norm, x in zip(self.fc_norm, layer_feats)]
+            layer_feats = torch.cat(layer_feats, dim=-1)
         return self.fc(layer_feats.to(self.dtype))
+
+    def keep_fraction(self, step: int) -> float:
+        """parallel: the share of positions step `step` trains, max(decay**step, floor) (1 at step 0). Kept sets
+        are nested, as in speculators: a chain trained at step k was trained at step k-1."""
+        decay, floor = self.cfg.parallel_keep
+        return max(decay ** step, floor)
+
+    def mask_feature(self) -> torch.Tensor:
+        """parallel: (H,) the hidden input of every mask position, fc(mask_hidden) (fc_norm first, if on)."""
+        return self.project_features(self.mask_hidden[None, None])[0, 0]
+
+    def _step_inputs(self, input_ids, hidden, k):
+        if not self.parallel or k == 0:
+            return super()._step_inputs(input_ids, hidden, k)
+        B, T = input_ids.shape
+        return torch.full_like(input_ids, self.mask_token_id), self.mask_feature().expand(B, T, -1)
+
+    def _block(self, attn_out, residual):
+        out = super()._block(attn_out, residual)
+        return self.norm(out) if self.cfg.norm_output else out  # EAGLE 3.1: the next step reads the normed hidden
 
     def _layer_input(self, embeds, hidden):
         if hidden.shape[-1] == self.fc.in_features:  # raw verifier features
-            hidden = self.fc(hidden)
+            hidden = self.project_features(hidden)
         layer = self.layer
         normed = layer.hidden_norm(hidden)
         residual = normed if self.cfg.norm_before_residual else hidden
         return torch.cat([layer.input_layernorm(embeds), normed], dim=-1), residual  # (B, N, 2H), (B, N, H)
 
     def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        if self.cfg.norm_output:  # the hidden is already the final norm's output
+            return self.lm_head(out_hidden)
         return self.lm_head(self.norm(out_hidden))  # (B, N, Vd)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -724,28 +795,57 @@ class Eagle3Drafter(EagleDrafter):
             feats = add_uniform_noise(feats, self.cfg.input_noise)
         outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids)
         with torch.no_grad():
-            probs, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
+            target_logp, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
         loss_mask = loss_mask.bool()
         K = len(outs)
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
         valid = torch.zeros_like(correct)
-        step_losses, total = [], 0.0
+        zero = torch.zeros((), device=input_ids.device)
+        step_losses, step_alpha = [], []
+        kept = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # parallel: chains still trained
         for k, out in enumerate(outs):
             n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}, which exists
             if n <= 0:
-                step_losses.append(torch.zeros((), device=input_ids.device))
+                step_losses.append(outs[0].sum() * 0)
+                step_alpha.append(zero)
                 continue
             logits = self.logits(out[:, :n])  # (B, n, Vd)
             scored = loss_mask[:, 2 + k:]  # (B, n)
             trained = scored & in_draft[:, 1 + k:T - 1]
-            loss_k = soft_cross_entropy(logits, probs[:, 1 + k:T - 1], trained)
-            total = total + self.cfg.decay ** k * loss_k
-            step_losses.append(loss_k.detach())
+            if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
+                ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
+                kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
+                trained = trained & kept[:, :n]
+            per_position, alpha = token_loss(self.cfg.loss, logits, target_logp[:, 1 + k:T - 1],
+                                             self.cfg.lk_eta)
+            step_losses.append(masked_mean(per_position, trained))
+            step_alpha.append(masked_mean(alpha, trained))
             with torch.no_grad():
                 correct[k, :, :n] = self.to_target_ids(logits.argmax(-1)) == target_ids[:, 1 + k:T - 1]
                 valid[k, :, :n] = scored
-        loss = total if isinstance(total, torch.Tensor) else outs[0].sum() * 0
+        weights = step_weights(self.cfg.step_weights, K, self.cfg.decay, torch.stack(step_alpha)).to(zero.device)
+        loss = (weights * torch.stack(step_losses)).sum()
+        step_losses = [x.detach() for x in step_losses]
         return EagleOutput(loss=loss, step_losses=torch.stack(step_losses), counts=step_counts(correct, valid))
+
+
+def resolve_mask_token(verifier, mask_token_id: int | None) -> int:
+    """The mask token of a parallel drafter: `mask_token_id`, or the verifier's pad token, else its eos token."""
+    config = verifier.config
+    if mask_token_id is None:
+        for key in ("pad_token_id", "eos_token_id"):
+            value = getattr(config, key, None)
+            value = value[0] if isinstance(value, (list, tuple)) and value else value
+            if isinstance(value, int):
+                mask_token_id = value
+                break
+        else:
+            raise EagleError("eagle.parallel=true: the verifier's config has no pad_token_id or eos_token_id to use "
+                             "as the mask token; set eagle.mask_token_id")
+    if not 0 <= mask_token_id < verifier.vocab_size:
+        raise EagleError(f"eagle.mask_token_id={mask_token_id}: expected a token id below the verifier's vocab "
+                         f"size {verifier.vocab_size}")
+    return int(mask_token_id)
 
 
 def build_drafter(verifier, cfg: EagleConfig, token_counts: torch.Tensor | None = None,

@@ -163,8 +163,11 @@ def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, verifier, tra
     layout = _eagle_layout(engine)
     layout.check(drafter.cfg, qkv_bias=drafter.layer.self_attn.q_proj.bias is not None)
     method = f"eagle{drafter.version}"
-    meta = metadata_block(method, verifier, layer_ids=drafter.feature_layers, engine=engine,
-                          eagle=dataclasses.asdict(drafter.cfg), training=training or {})
+    eagle = dataclasses.asdict(drafter.cfg)
+    if getattr(drafter, "parallel", False):
+        eagle["mask_token_id"] = drafter.mask_token_id  # resolved, so a reader needs no verifier config to know it
+    meta = metadata_block(method, verifier, layer_ids=drafter.feature_layers, engine=engine, eagle=eagle,
+                          training=training or {})
     config = {**layout.config(drafter, verifier, num_speculative_tokens), "draftheads": meta}
     return write_drafter(folder, config, layout.tensors(drafter))
 

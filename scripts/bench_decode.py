@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_decode.py --out results/bench [--num-prompts 40] [--max-new-tokens 128]
         [--threads 1] [--runs runs/bench] [--temperatures 0 1] [--repeats 1] [--variants eagle3-chain4 ...]
-        [--compare vllm]
+        [--compare vllm] [--eagle3-extra LABEL=DIR ...] [--extra-chains 1 4]
 
 Verifier: `tiny-code` (built on first use). Drafters, trained with the project's own configs if missing under
 `--runs` (or given with --medusa / --eagle1 / --eagle3 / --draft-model):
@@ -131,6 +131,37 @@ def ensure_drafters(args, needed: set[str]) -> dict[str, str]:
     return found
 
 
+def add_extra_eagle3(entries: list[str], chains: list[int], drafters: dict) -> list[str]:
+    """Register `--eagle3-extra LABEL=DIR` exports as drafters `eagle3:LABEL` with variants eagle3-LABEL-chainK."""
+    added = []
+    for entry in entries:
+        label, sep, folder = entry.partition("=")
+        if not sep or not label or not (Path(folder) / "config.json").is_file():
+            raise SystemExit(f"--eagle3-extra {entry}: expected LABEL=DIR with an exported drafter in DIR")
+        drafters[f"eagle3:{label}"] = folder
+        for k in chains:
+            VARIANTS[f"eagle3-{label}-chain{k}"] = ("eagle", f"eagle3:{label}", {"chain": k})
+            added.append(f"eagle3-{label}-chain{k}")
+    return added
+
+
+def parallel_draft_cost(profile: dict, drafters: dict) -> dict:
+    """Drafter time per step of each parallel drafter's chain against one autoregressive draft pass: the draft
+    milliseconds of an autoregressive EAGLE-3 chain of 1 (one drafter forward over the committed tokens and one
+    lm_head) in the same run. {variant: {draft_ms, reference, reference_draft_ms, ratio}}."""
+    parallel = {key for key, folder in drafters.items() if key.startswith("eagle3")
+                and json.loads((Path(folder) / "config.json").read_text()).get("draftheads", {})
+                .get("eagle", {}).get("parallel")}
+    references = [v for v in profile if v.endswith("-chain1") and VARIANTS.get(v, ("", None))[1] not in parallel
+                  and VARIANTS.get(v, ("", None))[0] == "eagle"]
+    if not references:
+        return {}
+    ref = references[0]
+    return {v: {"draft_ms": r["draft_ms"], "reference": ref, "reference_draft_ms": profile[ref]["draft_ms"],
+                "ratio": r["draft_ms"] / profile[ref]["draft_ms"]}
+            for v, r in profile.items() if VARIANTS.get(v, ("", None))[1] in parallel}
+
+
 def step_profile(summary: dict) -> dict:
     """Per verifier call: drafter, verifier and other milliseconds (engine methods, from the timed calls), and the
     step's cost relative to one autoregressive step."""
@@ -197,7 +228,7 @@ def vllm_method(variant: str) -> tuple[str | None, int] | None:
         return None, 0
     if "chain" not in options or method not in ("medusa", "eagle"):
         return None
-    return ("medusa" if method == "medusa" else drafter), options["chain"]
+    return ("medusa" if method == "medusa" else drafter.split(":")[0]), options["chain"]
 
 
 def compare_vllm(args, verifier, drafters: dict, prompts: list, variants: list[str]) -> dict:
@@ -273,6 +304,10 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--compare", choices=["vllm"], help="also run plain decoding and the chains in real vLLM")
+    p.add_argument("--eagle3-extra", nargs="+", default=[], metavar="LABEL=DIR",
+                   help="more EAGLE-3 exports side by side (recipes, scripts/bench_eagle_recipes.sh): variants "
+                        "eagle3-LABEL-chainK for each --extra-chains K")
+    p.add_argument("--extra-chains", type=int, nargs="+", default=[4])
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -290,6 +325,7 @@ def main(argv=None) -> int:
     if "hf-assisted" in variants:
         needed.add("draft-model")
     drafters = ensure_drafters(args, needed)
+    variants += add_extra_eagle3(args.eagle3_extra, args.extra_chains, drafters)
     if "hf-assisted" in variants and not any(VARIANTS[v][0] == "draft-model" for v in variants):
         variants.insert(1, "draft-model-chain3")  # HF's assistant is the draft-model run's model
 
@@ -317,8 +353,13 @@ def main(argv=None) -> int:
         results = build_results(runs, config, environment("cpu", torch.float32))
         write_report(results, Path(args.out) / f"T{t:g}")
         profile = step_profile(results["summary"])
-        bench["results"][str(float(t))] = {"summary": results["summary"], "step_profile": profile}
+        cost = parallel_draft_cost(profile, drafters)
+        bench["results"][str(float(t))] = {"summary": results["summary"], "step_profile": profile,
+                                           "parallel_draft_cost": cost}
         print_tables(str(t), results["summary"], profile)
+        for v, c in cost.items():
+            print(f"- {v}: drafter {c['draft_ms']:.2f} ms per step = {c['ratio']:.2f}x one autoregressive draft "
+                  f"pass ({c['reference']}: {c['reference_draft_ms']:.2f} ms)")
     if args.compare == "vllm":
         bench["vllm"] = compare_vllm(args, verifier, drafters, prompts, variants)
     bench["goals"] = goals(bench["results"])

@@ -340,9 +340,9 @@ def test_draft_vocab_selection_and_round_trip():
 def test_draft_targets_renormalise_over_the_draft_vocab():
     logits = torch.randn(2, 3, 12)
     d2t, t2d = select_draft_vocab(torch.arange(12), 5)  # the five highest ids: 7..11
-    probs, target_ids, in_draft = draft_targets(logits, d2t, t2d)
+    logp, target_ids, in_draft = draft_targets(logits, d2t, t2d)
     full = logits.softmax(-1)[..., 7:]
-    torch.testing.assert_close(probs, full / full.sum(-1, keepdim=True))
+    torch.testing.assert_close(logp.exp(), full / full.sum(-1, keepdim=True))
     assert torch.equal(in_draft, logits.argmax(-1) >= 7)
     assert torch.equal(target_ids, logits.argmax(-1))
 

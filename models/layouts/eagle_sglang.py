@@ -32,6 +32,10 @@ def check(cfg, qkv_bias: bool | None = None) -> None:
     has (None: as the config says)."""
     if cfg.version != 3:
         return
+    for key in ("parallel", "fc_norm", "norm_output"):
+        if getattr(cfg, key):
+            raise EagleError(f"eagle.{key}=true with engine sglang: SGLang's EAGLE-3 (0.5.23) has no such option "
+                             f"and would serve the drafter without it; export for engine vllm")
     if cfg.norm_before_residual:
         raise EagleError("eagle.norm_before_residual=true with engine sglang: SGLang's EAGLE-3 has no such option "
                          "(its residual is always the un-normed fc output), so the drafter would be served wrong; "

@@ -11,7 +11,7 @@ the speculators library loads it with its own classes (`Eagle3DraftModel.from_pr
                 verifier {name_or_path, architectures}}, transformer_layer_config (the one Llama layer, with
                 model_type "llama"), draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids (top
                 level, our ids: the inputs of those layers), and every norm flag written out: norm_before_residual
-                (vLLM reads a *missing* one as true here), norm_before_fc, fc_norm, norm_output (false).
+                (vLLM reads a *missing* one as true here), norm_before_fc (false), fc_norm, norm_output (EAGLE 3.1).
   weights       embed_tokens.weight (the verifier's, so the library computes our logits without being handed the
                 verifier's embeddings by hand), layers.0.*, fc.weight, norm.weight, lm_head.weight [Vd, H], and d2t
                 (int64 offsets) + t2d (bool) only with a pruned draft vocabulary (the library registers them only
@@ -43,6 +43,10 @@ def check(cfg, qkv_bias: bool | None = None) -> None:
     if cfg.version != 3:
         raise EagleError("engine=speculators with eagle.version=1: the speculators library has no EAGLE-1 format; "
                          "export EAGLE-1 for engine vllm or sglang")
+    if cfg.parallel:
+        raise EagleError("eagle.parallel=true with engine speculators: the speculators library's P-EAGLE format "
+                         "(speculators_model_type peagle) is not written yet; export for engine vllm and serve with "
+                         "parallel_drafting: true")
 
 
 def resolve(cfg) -> None:
@@ -82,8 +86,8 @@ def config(drafter, verifier, num_speculative_tokens: int = 3) -> dict:
         "eagle_aux_hidden_state_layer_ids": list(drafter.layer_ids),
         "norm_before_residual": drafter.cfg.norm_before_residual,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": drafter.cfg.fc_norm,
+        "norm_output": drafter.cfg.norm_output,
         "embed_requires_grad": False,
         "torch_dtype": layer_dtype(drafter),
         "dtype": layer_dtype(drafter),

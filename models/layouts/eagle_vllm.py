@@ -19,6 +19,13 @@
            post_attention_layernorm}.weight, norm.weight, lm_head.weight [Vd, H], and only when the draft
            vocabulary is smaller than the verifier's, d2t int64 [Vd] (target id - draft id) and t2d bool [V].
            No embed_tokens.
+  EAGLE 3.1  (vLLM `fc_norm`, `norm_output`; top-level booleans, false when absent) fc_norm.{0,1,2}.weight [H]: an
+           RMS norm on each feature layer's H-wide block before fc; norm_output: no weight, the next draft step
+           reads the final norm's output.
+  P-EAGLE  (vLLM's parallel drafting, PR #32887) top-level mask_token_id; mask_hidden [3H], the feature-space input
+           of the mask positions (vLLM runs it through fc_norm and fc once at load). vLLM drafts in parallel only
+           when asked: speculative_config {"method": "eagle3", "parallel_drafting": true, ...}; without the flag
+           it warns, skips mask_hidden and drafts autoregressively, which this drafter was not trained for.
 
 What vLLM 0.32's loader does (and why the layout is as it is):
   - Layer ids: Model Runner V2 (the default for EAGLE) reads only the top-level `eagle_aux_hidden_state_layer_ids`
@@ -48,7 +55,8 @@ from models.layouts import llama_draft
 NAME = "vllm"
 #: config.json fields a reader compares with the drafter it rebuilt from the metadata.
 CHECKED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "eagle_config")
+                  "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size", "eagle_config", "fc_norm",
+                  "norm_output", "mask_token_id")
 
 
 def check(cfg, qkv_bias: bool | None = None) -> None:

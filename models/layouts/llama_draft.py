@@ -60,12 +60,16 @@ def config(drafter) -> dict:
 
 
 def eagle3_config(drafter, top_level_ids: list[int] | None, eagle_config_ids: list[int]) -> dict:
-    """EAGLE-3's config.json fields: the layer's, the draft vocabulary, the norm option and the feature layer ids
-    (at the top level for vLLM when given, and inside eagle_config in the convention of the engine that reads it)."""
+    """EAGLE-3's config.json fields: the layer's, the draft vocabulary, the norm options (EAGLE 3.1's fc_norm and
+    norm_output at the top level, where vLLM reads them), a parallel drafter's mask_token_id (top level, vLLM's
+    parallel drafting), and the feature layer ids (at the top level for vLLM when given, and inside eagle_config in
+    the convention of the engine that reads it)."""
     ids = {} if top_level_ids is None else {"eagle_aux_hidden_state_layer_ids": top_level_ids}
+    parallel = {"mask_token_id": drafter.mask_token_id} if drafter.parallel else {}
     return {"architectures": ["LlamaForCausalLMEagle3"], **config(drafter),
             "draft_vocab_size": drafter.draft_vocab_size, "target_hidden_size": drafter.hidden_size, "bias": False,
-            "norm_before_residual": drafter.cfg.norm_before_residual, **ids,
+            "norm_before_residual": drafter.cfg.norm_before_residual, "fc_norm": drafter.cfg.fc_norm,
+            "norm_output": drafter.cfg.norm_output, **parallel, **ids,
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": eagle_config_ids, "use_aux_hidden_state": True}}
 
 

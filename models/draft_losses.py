@@ -1,0 +1,100 @@
+"""What a drafter's token loss can be: divergences between the verifier's next-token distribution p and the
+drafter's q, and how the steps of a draft chain are weighted. Pure functions on tensors.
+
+At one position, with p the verifier's distribution (over the drafter's vocabulary: EAGLE-3 renormalises it over
+its draft vocabulary) and q = softmax(drafter logits):
+
+  forward_kl   -sum_v p_v log q_v, the soft cross-entropy of the EAGLE repo, SpecForge and speculators: KL(p || q)
+               plus the entropy of p, which does not depend on the drafter (same gradient, same optimum). Mass-
+               covering: q spreads over every token p might choose.
+  reverse_kl   KL(q || p) = sum_v q_v (log q_v - log p_v). Mode-seeking: q may drop p's tail and pile onto its peak.
+  jsd          Jensen-Shannon, (KL(p || m) + KL(q || m)) / 2 with m = (p + q) / 2; bounded by log 2.
+  tv           total variation, sum_v |p_v - q_v| / 2 = 1 - alpha, where alpha = sum_v min(p_v, q_v) is the
+               probability that speculative sampling at temperature 1 accepts a token drawn from q.
+  lk           -log(alpha): acceptance targeted directly (LK losses, Samarin et al. 2026, arXiv 2602.23881; "nla" in
+               speculators). Its gradient is the total variation's divided by alpha, so positions the drafter gets
+               badly wrong count the most.
+  lk_hybrid    lam * KL(p || q) + (1 - lam) * (1 - alpha), lam = exp(-eta * alpha) per position with alpha taken
+               without gradient (`hybrid_weight`; eta = 3 as in speculators and the paper's released drafters):
+               KL's dense signal where the drafter is far from p, the acceptance objective as it gets close.
+               (SpecForge computes lam from the batch's mean alpha instead; here it is per position.)
+
+All are >= 0 except forward_kl (>= H(p)); each is 0 (forward_kl: H(p)) exactly when q = p. They are computed in
+float32 from log-probabilities, so no term takes the log of an underflowed 0.
+
+Step weights: a chain of K draft steps sums w_k * loss_k.
+  exponential  w_k = decay**k (EAGLE-3's 0.8**k): later steps matter less, since they are reached less often.
+  uniform      w_k = 1.
+  reach        w_k = prod_{j<k} a_j, with a_j the batch's mean measured acceptance (alpha) at step j, no gradient:
+               the chance the chain gets to step k at all, as the data says, instead of a fixed 0.8 per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+TOKEN_LOSSES = ("forward_kl", "reverse_kl", "jsd", "tv", "lk", "lk_hybrid")
+STEP_WEIGHTS = ("exponential", "uniform", "reach")
+
+
+def acceptance(target_logp: torch.Tensor, draft_logp: torch.Tensor) -> torch.Tensor:
+    """alpha = sum_v min(p_v, q_v) (..., V) -> (...): the chance speculative sampling accepts a draw from q."""
+    return torch.minimum(target_logp, draft_logp).exp().sum(-1)
+
+
+def hybrid_weight(alpha: torch.Tensor, eta: float) -> torch.Tensor:
+    """lk_hybrid's weight on the KL term, exp(-eta * alpha), computed without gradient."""
+    return torch.exp(-eta * alpha.detach())
+
+
+def token_loss(kind: str, draft_logits: torch.Tensor, target_logp: torch.Tensor,
+               lk_eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position loss and acceptance alpha, each (...), for drafter logits and the verifier's log-probs (..., V).
+
+    alpha is returned without gradient (the step weights and the logs read it).
+    """
+    if kind not in TOKEN_LOSSES:
+        raise ValueError(f"token loss {kind!r}: expected one of {TOKEN_LOSSES}")
+    logq = torch.log_softmax(draft_logits.float(), dim=-1)
+    logp = target_logp.float()
+    p = logp.exp()
+    alpha = acceptance(logp, logq)
+    if kind == "forward_kl":
+        loss = -(p * logq).sum(-1)
+    elif kind == "reverse_kl":
+        loss = (logq.exp() * (logq - logp)).sum(-1)
+    elif kind == "jsd":
+        q = logq.exp()
+        logm = torch.logaddexp(logp, logq) - math.log(2.0)
+        loss = 0.5 * ((p * (logp - logm)).sum(-1) + (q * (logq - logm)).sum(-1))
+    elif kind == "tv":
+        loss = 1.0 - alpha
+    elif kind == "lk":
+        loss = -torch.log(alpha.clamp_min(1e-30))
+    else:  # lk_hybrid
+        lam = hybrid_weight(alpha, lk_eta)
+        loss = lam * (p * (logp - logq)).sum(-1) + (1 - lam) * (1.0 - alpha)
+    return loss, alpha.detach()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `values` where mask is true; 0 when nothing is masked in."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def step_weights(kind: str, num_steps: int, decay: float = 0.8,
+                 step_alpha: torch.Tensor | None = None) -> torch.Tensor:
+    """(K,) weights of a chain's K step losses; `reach` needs step_alpha (K,), each step's mean acceptance."""
+    if kind == "exponential":
+        return decay ** torch.arange(num_steps, dtype=torch.float32)
+    if kind == "uniform":
+        return torch.ones(num_steps)
+    if kind == "reach":
+        if step_alpha is None or step_alpha.numel() != num_steps:
+            raise ValueError(f"step weights 'reach' need the {num_steps} steps' mean acceptance")
+        a = step_alpha.detach().float()
+        return torch.cat([a.new_ones(1), torch.cumprod(a, 0)[:-1]])
+    raise ValueError(f"step weights {kind!r}: expected one of {STEP_WEIGHTS}")

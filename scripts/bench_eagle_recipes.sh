@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# EAGLE-3 recipes side by side, one training budget: the same verifier, data, steps, batch, learning rate and seed
+# for every drafter; only the recipe differs (autoregressive TTT vs parallel drafting, EAGLE 3.1 norms, each token
+# loss, the step weights). Then one decode benchmark over all of them, beside plain decoding, n-gram lookup and
+# HF assisted generation (scripts/bench_decode.py --eagle3-extra).
+#
+#   bash scripts/bench_eagle_recipes.sh     # RECIPES_VERIFIER=tiny-micro RECIPES_STEPS=300 RECIPES_DIR=runs/recipes ...
+#
+# Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain). The
+# training data are the verifier's own continuations of stdlib functions (scripts/selfdistill_data.py), the
+# bench's default for its drafters.
+set -euo pipefail
+source "$(dirname "$0")/setup_env.sh"
+VERIFIER=${RECIPES_VERIFIER:-tiny-micro}
+STEPS=${RECIPES_STEPS:-300}
+SEQ_LEN=${RECIPES_SEQ_LEN:-128}
+ONLY=${RECIPES_ONLY:-}        # train only these labels (space-separated) and skip the bench: to split the work
+DIR=${RECIPES_DIR:-runs/recipes}
+PROMPTS=${RECIPES_PROMPTS:-8}
+TOKENS=${RECIPES_MAX_NEW_TOKENS:-64}
+# tiny-micro has 4 layers: the default feature layers (2, L//2, L-3 made distinct), not tiny-code's [2, 4, 7]
+LAYERS=${RECIPES_LAYER_IDS:-$([ "$VERIFIER" = tiny-micro ] && echo null || echo "")}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+mkdir -p "$DIR"
+[ -f "$DIR/selfdistill.jsonl" ] || python scripts/selfdistill_data.py --verifier "$VERIFIER" --out "$DIR/selfdistill.jsonl"
+
+# label: overrides of configs/eagle3-tiny.yaml
+RECIPES=(
+  "base:"
+  "parallel:--eagle.parallel=true"
+  "eagle31:--eagle.fc_norm=true --eagle.norm_output=true"
+  "reverse_kl:--eagle.loss=reverse_kl"
+  "jsd:--eagle.loss=jsd"
+  "tv:--eagle.loss=tv"
+  "lk:--eagle.loss=lk"
+  "lk_hybrid:--eagle.loss=lk_hybrid"
+  "reach:--eagle.step_weights=reach"
+)
+EXTRA=()
+for entry in "${RECIPES[@]}"; do
+  label=${entry%%:*}
+  overrides=${entry#*:}
+  run="$DIR/$label"
+  if [ -n "$ONLY" ] && [[ " $ONLY " != *" $label "* ]]; then continue; fi
+  if [ ! -f "$run/drafter/config.json" ]; then
+    echo "== training $label ($STEPS steps) $overrides"
+    # shellcheck disable=SC2086
+    python train/eagle.py --config configs/eagle3-tiny.yaml --verifier "$VERIFIER" --output_dir "$run" \
+      --wandb.enabled=false --train.mixed_precision=no --train.max_steps="$STEPS" --train.eval_every="$STEPS" \
+      --train.save_every="$STEPS" --data.seq_len="$SEQ_LEN" --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8 \
+      ${LAYERS:+--eagle.layer_ids=$LAYERS} $overrides
+  fi
+  EXTRA+=("$label=$run/drafter")
+done
+
+[ -z "$ONLY" ] || exit 0
+python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \
+  --max-new-tokens "$TOKENS" --temperatures 0 --threads 1 --runs "$DIR" \
+  --variants autoregressive ngram hf hf-assisted-lookup \
+  --eagle3-extra "${EXTRA[@]}" --extra-chains 1 4 6
