@@ -26,6 +26,12 @@ Modes:
             deterministic given the drafter: one-hot draft distribution, lossless (as in the EAGLE repo, whose
             tree sampling also treats them as one-hot). All on the device: topk / gather / sort, and
             `Tree.from_parents(..., max_depth=D, max_children=k)`; no host sync while drafting.
+  parallel  a drafter trained with eagle.parallel (P-EAGLE): a chain of K (default its ttt_steps) from ONE drafter
+            forward per step. observe runs the committed pairs and, after them, K-1 mask positions (the mask token
+            with fc(mask_hidden), positions L .. L+K-2, causal; padding of ragged rows goes to a scratch slot);
+            the last committed pair's output gives draft 1, mask position j's gives draft j+2, each drawn from its
+            own distribution (none depends on an earlier draft, so that is the exact distribution the lossless
+            chain rule needs). Mask entries sit where the next step's committed pairs go and are overwritten.
 Sizes. The default tree (depth 6, top_k 4, total_tokens 16) is sized for CPUs, where verifying N+1 tokens costs
 far more than verifying one (scripts/profile_decode_step.py: on 1 core, an 8-layer H=256 verifier takes ~1.4x an
 autoregressive step to verify 4 tokens, ~2.2x for 17, ~4x for 49); on a GPU, where a wide verification is nearly

@@ -47,6 +47,19 @@ EAGLE-3 (Li et al. 2025; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, sgl-proje
   causal scores against K_0 (B, nh, T, T), plus one score per later step against the query's own key,
   (q_t . k_j,t) (B, nh, T, k), one softmax over both, and the matching sum of values. Step 0 is plain causal SDPA.
 
+EAGLE-3 variants (each an `EagleConfig` switch, exported with the fields vLLM reads: models/layouts/eagle_vllm.py)
+  parallel (P-EAGLE, arXiv 2602.01469; vLLM `parallel_drafting`): step k >= 1 reads (mask token, fc(mask_hidden))
+      instead of (x_{t+1+k}, out^{k-1}_t), at position id t + k with the same TTT attention (the step-0 prefix
+      causally, then its own chain's mask positions). Nothing a step reads depends on an earlier step's output, so
+      at inference all K drafts come from one drafter forward over the committed pairs followed by K-1 mask
+      positions. mask_hidden (3H) lives in the verifier-feature space and goes through fc (and fc_norm) like a
+      feature, as vLLM computes it; the mask token's embedding is the verifier's, frozen. Training keeps a
+      random nested share max(decay^k, floor) of the chains at step k (`parallel_keep`, as speculators samples).
+  fc_norm (EAGLE 3.1): h_t = fc([n_a(g^(a)); n_b(g^(b)); n_c(g^(c))]), one RMS norm per feature layer.
+  norm_output (EAGLE 3.1): the layer's output is norm(out), which is both what the next step reads and what
+      lm_head reads (logits apply no second norm).
+Token losses and step weights: models/draft_losses.py (`loss`, `step_weights`); forward_kl is the soft CE above.
+
 Metrics (on device, summed over batches as `StepCounts`): per step k, accuracy acc_k (greedy draft token equals the
 verifier's argmax, among positions with loss_mask[t+2+k] = 1, out-of-draft-vocab targets counting as misses),
 conditional accuracy c_k = P(step k right | steps 0..k-1 right at that position), cumulative

@@ -171,6 +171,23 @@ def fit_eagle(verifier, version: int, corpus: list[list[int]], residual_scale: f
     return drafter.eval().requires_grad_(False)
 
 
+def train_eagle_briefly(drafter, verifier, corpus: list[list[int]], steps: int = 60, lr: float = 3e-3, seed: int = 0):
+    """A few Adam steps of the drafter's own training loss on `corpus` (rows cut to the shortest length): what a
+    fitted drafter cannot learn by least squares, such as a parallel drafter's mask_hidden. Eval mode after."""
+    torch.manual_seed(seed)
+    T = min(len(row) for row in corpus)
+    ids = torch.tensor([row[:T] for row in corpus])
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers, return_logits=True)
+    mask = torch.ones_like(ids)
+    drafter.train().requires_grad_(True)
+    opt = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        drafter.training_loss(ids, feats, mask).loss.backward()
+        opt.step()
+    return drafter.eval().requires_grad_(False)
+
+
 def reset_accelerate() -> None:
     """Forget Accelerate's process-wide singletons, so the next Accelerator a test builds starts fresh."""
     from accelerate.state import AcceleratorState, GradientState

@@ -2,7 +2,8 @@
 
 For each verifier family (Llama, Qwen2, Mistral) and each export flavour (Medusa, Medusa-2 with the adapter merged
 into the verifier, EAGLE-1, EAGLE-3 with a pruned and with the whole vocabulary, a bf16 EAGLE-3, the speculators
-format served as `LLM(model=DRAFTER_DIR)`), one batch of one prompt and one of three prompts of different lengths:
+format served as `LLM(model=DRAFTER_DIR)`, parallel drafting (P-EAGLE, `parallel_drafting: true`) and EAGLE 3.1's
+fc_norm + norm_output on Llama and Qwen2), one batch of one prompt and one of three prompts of different lengths:
   - vLLM's greedy outputs equal plain greedy decoding of the verifier;
   - vLLM's accepted draft tokens, per request and per verification step, equal our engine's exactly, our engine
     taking the first token from the prefill as vLLM does (`first_token="prefill"`), chain of k = 3, no EOS stop.
@@ -23,7 +24,8 @@ from eval.vllm_peer import VllmCase, run_vllm
 from models.export import export_eagle, load_medusa, save_medusa
 from models.medusa import MedusaHeads, add_lora
 from models.verifier import Verifier
-from tests.utils import FAMILIES, chi2_pvalue, fit_eagle, greedy_corpus, hf_greedy, peaked_model, tiny_model
+from tests.utils import (FAMILIES, chi2_pvalue, fit_eagle, greedy_corpus, hf_greedy, peaked_model, tiny_model,
+                         train_eagle_briefly)
 
 pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
 
@@ -76,6 +78,20 @@ def build_cases(root, family):
     case(f"{family}-eagle3", folder, "eagle3", engine("eagle", folder))
     folder = export_eagle(fit_eagle(verifier, 3, corpus, layer_ids=[1, 2, 3]), root / family / "eagle3-full", verifier)
     case(f"{family}-eagle3-full", folder, "eagle3", engine("eagle", folder))
+    if family in ("llama", "qwen2"):
+        # P-EAGLE: mask_hidden trained briefly so drafts from mask positions are accepted too; vLLM drafts in
+        # parallel only with parallel_drafting (else it skips mask_hidden)
+        parallel = train_eagle_briefly(fit_eagle(verifier, 3, corpus, layer_ids=[1, 2, 3], ttt_steps=K,
+                                                 parallel=True, parallel_keep=(1.0, 1.0)), verifier, corpus)
+        folder = export_eagle(parallel, root / family / "eagle3-parallel", verifier)
+        case(f"{family}-eagle3-parallel", folder, "eagle3", engine("eagle", folder),
+             speculative_options={"parallel_drafting": True})
+        # EAGLE 3.1: fc_norm and norm_output, with norms away from 1 so a norm in the wrong place shows
+        e31 = fit_eagle(verifier, 3, corpus, draft_vocab_size=160, layer_ids=[1, 2, 3], fc_norm=True,
+                        norm_output=True)
+        e31 = train_eagle_briefly(e31, verifier, corpus, steps=20)
+        folder = export_eagle(e31, root / family / "eagle31", verifier)
+        case(f"{family}-eagle31", folder, "eagle3", engine("eagle", folder))
     if family in ("llama", "qwen3"):
         folder = export_eagle(pruned, root / family / "speculators", verifier, engine="speculators",
                               num_speculative_tokens=K)
@@ -138,6 +154,7 @@ def interop(tmp_path_factory, vllm_ready):
 CASES = [f"{family}-{flavour}" for family in INTEROP_FAMILIES
          for flavour in ("medusa", "eagle1", "eagle3", "eagle3-full")]
 CASES += ["llama-speculators", "qwen3-speculators", "llama-medusa2"]
+CASES += [f"{family}-{flavour}" for family in ("llama", "qwen2") for flavour in ("eagle3-parallel", "eagle31")]
 
 
 @pytest.mark.parametrize("name", CASES)
