@@ -266,18 +266,25 @@ def test_sampling_in_vllm_follows_the_verifier(sampled):
     assert pvalue(torch.tensor(spec["batches"][0]["outputs"]), joint) > 0.001
 
 
-@pytest.mark.parametrize("family,draft_vocab", [("llama", 160), ("llama", None), ("qwen3", 160)],
-                         ids=["pruned", "whole-vocabulary", "qwen3"])
-def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vllm_ready, family, draft_vocab):
+@pytest.mark.parametrize("family,draft_vocab,options", [("llama", 160, {}), ("llama", None, {}), ("qwen3", 160, {}),
+                                                        ("llama", 160, {"fc_norm": True, "norm_output": True})],
+                         ids=["pruned", "whole-vocabulary", "qwen3", "eagle31"])
+def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vllm_ready, family, draft_vocab,
+                                                                   options):
     """`SpeculatorModel.from_pretrained(DRAFTER_DIR)` (speculators 0.9, its own Eagle3DraftModel; no conversion, no
-    verifier embeddings handed over by hand) computes our drafter's first-step logits to float tolerance."""
+    verifier embeddings handed over by hand) computes our drafter's first-step logits to float tolerance; EAGLE 3.1's
+    norms (set away from 1) included."""
     from eval.vllm_peer import SpeculatorsLogits
 
     model = peaked_model(family, **SIZE)
     model.save_pretrained(tmp_path / "verifier", safe_serialization=True)
     verifier = Verifier.from_pretrained(tmp_path / "verifier")
     drafter = fit_eagle(verifier, 3, greedy_corpus(verifier.model, FIT, 40), draft_vocab_size=draft_vocab,
-                        layer_ids=[1, 2, 3])
+                        layer_ids=[1, 2, 3], **options)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith("fc_norm"):
+                p.uniform_(0.5, 1.5)
     folder = export_eagle(drafter, tmp_path / "speculators", verifier, engine="speculators")
     ids = torch.tensor([PROMPTS[2]])
     feats = verifier.features(ids, layer_ids=drafter.feature_layers)
