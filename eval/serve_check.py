@@ -107,9 +107,14 @@ def check(verifier, drafts: list[str], prompts: list[list[int]], max_new_tokens:
         vllm_method = method or vllm_method
         report = Report(draft, vllm_method or "eagle3 (speculators)", ours=False)
         ours = None
+        options = {}
         try:
             config, _ = read_drafter(folder)
-            kind = read_metadata(config, folder / "config.json").get("method", "")
+            meta = read_metadata(config, folder / "config.json")
+            kind = meta.get("method", "")
+            if (meta.get("eagle") or {}).get("parallel"):  # vLLM drafts in parallel only when asked
+                options["parallel_drafting"] = True
+                report.notes.append("a parallel drafter: served with speculative_config parallel_drafting: true")
             engine_method = "medusa" if kind == "medusa" else "eagle"
             dec = SpeculativeDecoder.from_pretrained(verifier, draft=str(folder), method=engine_method,
                                                      first_token="prefill",
@@ -125,7 +130,8 @@ def check(verifier, drafts: list[str], prompts: list[list[int]], max_new_tokens:
         ours_runs.append(ours)
         cases.append(VllmCase(folder.name, str(verifier.path), str(folder), vllm_method, batches=[prompts], k=k,
                               dtype=dtype, max_tokens=max_new_tokens, serve_drafter=speculators and method is None,
-                              max_model_len=max(map(len, prompts)) + max_new_tokens + 2 * k + 8))
+                              max_model_len=max(map(len, prompts)) + max_new_tokens + 2 * k + 8,
+                              speculative_options=options))
     say(f"[serve-check] running {len(cases)} drafter(s) in vLLM")
     result = run_vllm(cases)
     for report, ours, theirs in zip(reports, ours_runs, result["cases"]):

@@ -28,6 +28,8 @@ mkdir -p "$DIR"
 RECIPES=(
   "base:"
   "parallel:--eagle.parallel=true"
+  "parallel_all:--eagle.parallel=true --eagle.parallel_keep=[1,1]"
+  "parallel_uniform:--eagle.parallel=true --eagle.step_weights=uniform"
   "eagle31:--eagle.fc_norm=true --eagle.norm_output=true"
   "reverse_kl:--eagle.loss=reverse_kl"
   "jsd:--eagle.loss=jsd"
@@ -56,5 +58,5 @@ done
 [ -z "$ONLY" ] || exit 0
 python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \
   --max-new-tokens "$TOKENS" --temperatures 0 --threads 1 --runs "$DIR" \
-  --variants autoregressive ngram hf hf-assisted-lookup \
+  --eagle3 "$DIR/base/drafter" --variants autoregressive ngram hf hf-assisted-lookup eagle3-tree-d7k3n16 \
   --eagle3-extra "${EXTRA[@]}" --extra-chains 1 4 6

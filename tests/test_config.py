@@ -1,4 +1,5 @@
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import yaml
@@ -67,3 +68,16 @@ def test_resolved_config_is_saved(tmp_path):
     assert saved["train"]["resume"] == "none" and saved["toy"]["num_heads"] == 2
     again = parse_config(ToyRun, ["--config", str(tmp_path / "config.yaml")])
     assert again == cfg
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml")),
+                         ids=lambda p: p.stem)
+def test_every_run_config_parses_with_its_trainer(path):
+    """configs/*.yaml are read by the trainer their name says (validation included, no model loaded)."""
+    from train.eagle import EagleRunConfig
+    from train.medusa import MedusaRunConfig
+
+    cls = MedusaRunConfig if "medusa" in path.stem else EagleRunConfig
+    cfg = parse_config(cls, ["--config", str(path)])
+    if path.stem == "peagle-tiny":
+        assert cfg.eagle.parallel and cfg.eagle.version == 3

@@ -32,7 +32,9 @@ def folders(tmp_path_factory):
     drafts = {"eagle3": export_eagle(eagle3, root / "eagle3", verifier),
               "speculators": export_eagle(eagle3, root / "speculators", verifier, engine="speculators"),
               "eagle1": export_eagle(fit_eagle(verifier, 1, corpus), root / "eagle1", verifier),
-              "medusa": save_medusa(root / "medusa", medusa_heads(verifier, corpus), verifier)}
+              "medusa": save_medusa(root / "medusa", medusa_heads(verifier, corpus), verifier),
+              "parallel": export_eagle(fit_eagle(verifier, 3, corpus, layer_ids=[1, 2, 3], ttt_steps=3,
+                                                 parallel=True), root / "parallel", verifier)}
     broken = export_eagle(eagle3, root / "broken", verifier)  # what vLLM reads changed, ours not: other layers
     config = json.loads((broken / "config.json").read_text())
     config["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
