@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole pipeline on the embedded default verifier, on a fresh machine (budget: 30 minutes on 2 CPU cores):
-# set up .venv, build tiny-code, train Medusa heads and a parallel-drafting EAGLE-3 drafter (P-EAGLE: every draft
-# token from one drafter forward) on the verifier's own continuations, evaluate both beside plain decoding, n-gram
-# lookup and Hugging Face assisted generation on HumanEval prompts, print the table and write the report.
+# set up .venv, build tiny-code, train Medusa heads and an EAGLE-3 drafter with EAGLE 3.1's norms (the best learned
+# recipe of scripts/bench_eagle_recipes.sh at this budget) on the verifier's own continuations, evaluate both beside
+# plain decoding, n-gram lookup and Hugging Face assisted generation on HumanEval prompts, print the table and write
+# the report.
 #
 #   bash scripts/demo.sh                 # DEMO_DIR=runs/demo DEMO_PROMPTS=10 DEMO_STEPS=150 to change
 #   DEMO_VERIFIER=tiny-micro bash scripts/demo.sh     # the 4-layer test verifier: the same pipeline in minutes
@@ -37,25 +38,28 @@ stage "2/5 training data: what the verifier writes after stdlib functions' docst
 # itself accepts less.
 [ -f "$DIR/selfdistill.jsonl" ] || python scripts/selfdistill_data.py --verifier "$VERIFIER" \
   --out "$DIR/selfdistill.jsonl" --num-prompts 400
+# bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX): elsewhere it is emulated and an
+# EAGLE step takes ~10x longer than in fp32
+PRECISION=$(python -c "from models.tiny import native_bf16; print('bf16' if native_bf16() else 'no')")
 DATA=(--data.source="$DIR/selfdistill.jsonl" --train.max_steps="$STEPS" --train.eval_every="$STEPS"
-      --train.save_every="$STEPS")
+      --train.save_every="$STEPS" --train.mixed_precision="$PRECISION")
 if [ -f "$DIR/medusa-tiny/drafter/config.json" ]; then echo "cached: $DIR/medusa-tiny/drafter"; else
   python train/medusa.py --config configs/medusa-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/medusa-tiny" \
     "${DATA[@]}"
 fi
 
-stage "3/5 a parallel-drafting EAGLE-3 drafter ($STEPS steps of configs/peagle-tiny.yaml)"
-if [ -f "$DIR/peagle-tiny/drafter/config.json" ]; then echo "cached: $DIR/peagle-tiny/drafter"; else
+stage "3/5 an EAGLE-3 drafter with EAGLE 3.1's fc_norm + norm_output ($STEPS steps of configs/eagle3-tiny.yaml)"
+if [ -f "$DIR/eagle3-tiny/drafter/config.json" ]; then echo "cached: $DIR/eagle3-tiny/drafter"; else
   # shellcheck disable=SC2086
-  python train/eagle.py --config configs/peagle-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/peagle-tiny" \
-    "${DATA[@]}" $LAYERS
+  python train/eagle.py --config configs/eagle3-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/eagle3-tiny" \
+    "${DATA[@]}" --eagle.fc_norm=true --eagle.norm_output=true $LAYERS
 fi
 
 stage "4/5 evaluate on $PROMPTS HumanEval prompts beside autoregressive and HF assisted generation"
 # One torch thread: on a 2-core machine shared with anything else, two OpenMP threads wait on each other.
 python -m eval --verifier "$VERIFIER" \
   --method medusa --draft "$DIR/medusa-tiny/drafter" --option medusa.chain=3 \
-  --method peagle=eagle --draft "$DIR/peagle-tiny/drafter" --option peagle.chain=4 \
+  --method eagle3=eagle --draft "$DIR/eagle3-tiny/drafter" --option eagle3.chain=4 \
   --method ngram --compare hf-assisted \
   --prompts humaneval --num-prompts "$PROMPTS" --max-new-tokens 128 --threads 1 --out "$DIR/eval"
 
