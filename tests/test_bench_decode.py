@@ -75,3 +75,26 @@ def test_train_draft_model(setup, tmp_path):
     assert draft.lm_head.weight.shape == verifier.lm_head.weight.shape and verifier.num_layers == 4
     dec = SpeculativeDecoder.from_pretrained(verifier, draft=str(tmp_path / "d"), method="draft-model")
     assert len(dec.generate([[5, 6, 7]], 8).output_ids[0]) == 8
+
+
+def test_extra_eagle3_exports_and_the_parallel_draft_cost(tmp_path):
+    """--eagle3-extra LABEL=DIR adds eagle3-LABEL-chainK variants; a parallel drafter's draft time per step is put
+    beside one autoregressive pass (an EAGLE-3 chain of 1) from the same run."""
+    bench = script("bench_decode")
+    for name, parallel in (("ar", False), ("par", True)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"draftheads": {"eagle": {"parallel": parallel}}}))
+    drafters = {}
+    added = bench.add_extra_eagle3([f"ar={tmp_path / 'ar'}", f"par={tmp_path / 'par'}"], [1, 4], drafters)
+    assert added == ["eagle3-ar-chain1", "eagle3-ar-chain4", "eagle3-par-chain1", "eagle3-par-chain4"]
+    assert bench.VARIANTS["eagle3-par-chain4"] == ("eagle", "eagle3:par", {"chain": 4})
+    profile = {"eagle3-ar-chain1": {"draft_ms": 2.0}, "eagle3-ar-chain4": {"draft_ms": 6.0},
+               "eagle3-par-chain1": {"draft_ms": 2.1}, "eagle3-par-chain4": {"draft_ms": 2.4}}
+    cost = bench.parallel_draft_cost(profile, drafters)
+    assert set(cost) == {"eagle3-par-chain1", "eagle3-par-chain4"}
+    assert cost["eagle3-par-chain4"]["reference"] == "eagle3-ar-chain1"
+    assert cost["eagle3-par-chain4"]["ratio"] == pytest.approx(1.2)
+    with pytest.raises(SystemExit, match="LABEL=DIR"):
+        bench.add_extra_eagle3([f"nolabel{tmp_path}"], [4], {})
+    with pytest.raises(SystemExit, match="LABEL=DIR"):
+        bench.add_extra_eagle3([f"x={tmp_path / 'missing'}"], [4], {})
