@@ -78,14 +78,19 @@ def reference_parallel(drafter, ids, feats, t, k):
     return out[:, t + k]
 
 
+def random_drafter(verifier_dir, **cfg):
+    """A random EAGLE-3 drafter (norms away from 1) for the verifier in `verifier_dir`, two rows of 10 random tokens
+    and their verifier features."""
+    verifier = Verifier.from_pretrained(verifier_dir)
+    torch.manual_seed(0)
+    drafter = randomise_norms(build_drafter(verifier, EagleConfig(draft_vocab_size=None, **cfg))).eval()
+    ids = torch.randint(3, verifier.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
+    return drafter, ids, verifier.features(ids, layer_ids=drafter.feature_layers)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_parallel_unroll_is_one_forward_over_prefix_and_masks(tiny_verifier_dirs, family):
-    verifier = Verifier.from_pretrained(tiny_verifier_dirs[family])
-    torch.manual_seed(0)
-    drafter = randomise_norms(build_drafter(verifier, EagleConfig(ttt_steps=4, draft_vocab_size=None,
-                                                                  parallel=True, fc_norm=True))).eval()
-    ids = torch.randint(3, verifier.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
-    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    drafter, ids, feats = random_drafter(tiny_verifier_dirs[family], ttt_steps=4, parallel=True, fc_norm=True)
     with torch.no_grad():
         outs = drafter.ttt_unroll(ids, drafter.project_features(feats.layers))
         for t in range(10 - 4):
@@ -96,12 +101,7 @@ def test_parallel_unroll_is_one_forward_over_prefix_and_masks(tiny_verifier_dirs
 
 def test_eagle31_unroll_is_what_cached_drafting_does(tiny_verifier_dirs):
     """With norm_output the next step reads the normed hidden; the unroll and step-by-step drafting agree."""
-    verifier = Verifier.from_pretrained(tiny_verifier_dirs["llama"])
-    torch.manual_seed(0)
-    drafter = randomise_norms(build_drafter(verifier, EagleConfig(ttt_steps=3, draft_vocab_size=None,
-                                                                  fc_norm=True, norm_output=True))).eval()
-    ids = torch.randint(3, verifier.vocab_size, (2, 10), generator=torch.Generator().manual_seed(1))
-    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    drafter, ids, feats = random_drafter(tiny_verifier_dirs["llama"], ttt_steps=3, fc_norm=True, norm_output=True)
     with torch.no_grad():
         hidden = drafter.project_features(feats.layers)
         # fc_norm: each layer's block normalised before fc

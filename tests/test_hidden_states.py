@@ -10,7 +10,7 @@ import torch
 
 from data.hidden_states import CacheError, bytes_per_token, cached_datasets, main as cache_cli, read_index, verify_shards
 from models.verifier import Verifier
-from tests.utils import save_tiny_verifier_with_tokenizer
+from tests.utils import free_port, save_tiny_verifier_with_tokenizer
 from train.config import ConfigError, parse_config
 from train.dump_features import dump, main as cli
 from train.features import feature_source
@@ -248,7 +248,8 @@ def test_two_processes_split_the_shards(verifier_dir, text_rows, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "ACCELERATE_USE_CPU": "true",
            "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run([str(torchrun), "--nproc_per_node=2", "-m", "train.dump_features", *args,
+    result = subprocess.run([str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
+                             "train.dump_features", *args,
                              "--out", str(tmp_path / "two")], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.utils import save_tiny_verifier_with_tokenizer
+from tests.utils import free_port, save_tiny_verifier_with_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCELERATE_CONFIGS = sorted((ROOT / "configs" / "accelerate").glob("*.yaml"))
@@ -65,7 +65,8 @@ def env():
 def launch(script: str, processes: int, args: list[str], cwd: Path) -> None:
     launcher = Path(sys.executable).with_name("accelerate")
     head = [str(launcher), "launch", "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no"]
-    head += ["--multi_gpu", f"--num_processes={processes}"] if processes > 1 else ["--num_processes=1"]
+    head += ["--multi_gpu", f"--num_processes={processes}", f"--main_process_port={free_port()}"] \
+        if processes > 1 else ["--num_processes=1"]
     result = subprocess.run([*head, str(ROOT / "train" / script), *args], cwd=cwd, env=env(), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
@@ -125,6 +126,7 @@ def test_multi_gpu_launch_without_gpus_and_without_cpu_flag_is_refused(tmp_path,
     if torch.cuda.device_count() >= 2:
         pytest.skip("GPUs present: --multi_gpu is real DDP here")
     result = subprocess.run([str(launcher), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+                             f"--main_process_port={free_port()}",
                              "--mixed_precision=no", "--dynamo_backend=no", str(ROOT / "train/medusa.py"),
                              f"--verifier={verifier_dir}", f"--output_dir={tmp_path / 'x'}", *COMMON],
                             cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=300)

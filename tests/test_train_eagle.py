@@ -17,7 +17,7 @@ from train.checkpoint import complete_checkpoints
 from train.config import ConfigError, parse_config
 from train.eagle import EagleRunConfig, draft_vocab_counts, main
 from train.loop import TrainLoop
-from tests.utils import FAMILIES, reset_accelerate, save_tiny_verifier
+from tests.utils import FAMILIES, free_port, reset_accelerate, save_tiny_verifier
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -267,7 +267,8 @@ def test_two_processes(tmp_path, verifier_dirs):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline",
            "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     launcher = Path(sys.executable).with_name("accelerate")  # without GPUs: two gloo processes (ACCELERATE_USE_CPU)
-    command = [str(launcher), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no",
+    command = [str(launcher), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+               f"--main_process_port={free_port()}", "--mixed_precision=no",
                "--dynamo_backend=no", str(ROOT / "train/eagle.py"),
                *tiny_args(verifier_dirs["llama"], out, 3, "--train.max_steps=2")]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

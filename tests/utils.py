@@ -188,6 +188,16 @@ def train_eagle_briefly(drafter, verifier, corpus: list[list[int]], steps: int =
     return drafter.eval().requires_grad_(False)
 
 
+def free_port() -> int:
+    """A TCP port nothing listens on now, for a multi-process launch's rendezvous: the default 29500 may still be held
+    by the previous launch's store, or by another test worker's."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def reset_accelerate() -> None:
     """Forget Accelerate's process-wide singletons, so the next Accelerator a test builds starts fresh."""
     from accelerate.state import AcceleratorState, GradientState
