@@ -67,9 +67,7 @@ class EagleTreeDrafter(Drafter):
         self.model = model.eval().requires_grad_(False)
         self.version = model.version
         self.parallel = bool(getattr(model, "parallel", False))
-        if self.parallel:
-            if tree_sampling == "topk" and chain is None:
-                tree_sampling = None
+        if self.parallel:  # always a chain: the dynamic tree's options do not apply
             chain = model.cfg.ttt_steps if chain is None else chain
         self.chain = chain is not None
         if self.chain:

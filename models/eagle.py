@@ -253,7 +253,7 @@ def add_uniform_noise(x: torch.Tensor, width: float) -> torch.Tensor:
 
 def eagle1_loss(pred: torch.Tensor, target: torch.Tensor, pred_logits: torch.Tensor, target_logits: torch.Tensor,
                 mask: torch.Tensor, feature_weight: float = 1.0, token_weight: float = 0.1,
-                token_kind: str = "forward_kl", lk_eta: float = 0.5
+                token_kind: str = "forward_kl", lk_eta: float = 3.0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """EAGLE-1 loss: (total, feature SmoothL1, token loss), each a mean over masked positions; the token loss is
     `token_kind` (models/draft_losses.py; forward_kl: the soft cross-entropy of the EAGLE repo).
@@ -752,15 +752,11 @@ class Eagle3Drafter(EagleDrafter):
         """fc over the concatenated verifier features: list of 3 x (B, T, H), or (B, T, 3H) -> (B, T, H); with
         fc_norm, each layer's H-wide block is normalised first."""
         if isinstance(layer_feats, torch.Tensor):
-            layer_feats = layer_feats.to(self.dtype)
-            if self.cfg.fc_norm:
-                layer_feats = layer_feats.chunk(3, dim=-1)
-        if not isinstance(layer_feats, torch.Tensor):
-            layer_feats = list(layer_feats)
-            if self.cfg.fc_norm:
-                layer_feats = [norm(x.to(self.dtype)) for norm, x in zip(self.fc_norm, layer_feats)]
-            layer_feats = torch.cat(layer_feats, dim=-1)
-        return self.fc(layer_feats.to(self.dtype))
+            layer_feats = layer_feats.chunk(3, dim=-1) if self.cfg.fc_norm else [layer_feats]
+        layer_feats = [x.to(self.dtype) for x in layer_feats]
+        if self.cfg.fc_norm:
+            layer_feats = [norm(x) for norm, x in zip(self.fc_norm, layer_feats)]
+        return self.fc(torch.cat(layer_feats, dim=-1))
 
     def keep_fraction(self, step: int) -> float:
         """parallel: the share of positions step `step` trains, max(decay**step, floor) (1 at step 0). Kept sets
