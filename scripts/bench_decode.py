@@ -324,8 +324,9 @@ def main(argv=None) -> int:
     needed = {VARIANTS[v][1] for v in variants} - {None}
     if "hf-assisted" in variants:
         needed.add("draft-model")
-    drafters = ensure_drafters(args, needed)
-    variants += add_extra_eagle3(args.eagle3_extra, args.extra_chains, drafters)
+    extra: dict[str, str] = {}
+    variants += add_extra_eagle3(args.eagle3_extra, args.extra_chains, extra)  # refused before anything trains
+    drafters = {**ensure_drafters(args, needed), **extra}
     if "hf-assisted" in variants and not any(VARIANTS[v][0] == "draft-model" for v in variants):
         variants.insert(1, "draft-model-chain3")  # HF's assistant is the draft-model run's model
 
