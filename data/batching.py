@@ -32,10 +32,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from data.chat import resolve_chat_template, tokenize_chats
-from data.config import DataConfig, DataError, DataWarning
-from data.progress import datasets_progress
-from data.sources import RowError, SkipCounter, train_and_heldout
+from draftheads.data.chat import resolve_chat_template, tokenize_chats
+from draftheads.data.config import DataConfig, DataError, DataWarning
+from draftheads.data.progress import datasets_progress
+from draftheads.data.sources import RowError, SkipCounter, train_and_heldout
 
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
 

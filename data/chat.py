@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data.config import DataError
-from data.sources import RowError
+from draftheads.data.config import DataError
+from draftheads.data.sources import RowError
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -1,7 +1,7 @@
 """The offline hidden-state cache's format: what a cache folder holds, how it is verified, how training reads it.
 
-    python -m train.dump_features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny   # writes one
-    python -m data.hidden_states verify cache/eagle3-tiny            # sizes, headers and sha256 of every shard
+    draftheads dump-features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny   # writes one
+    draftheads cache verify cache/eagle3-tiny            # sizes, headers and sha256 of every shard
     python train/eagle.py --config configs/eagle3-tiny.yaml --features=offline --feature_cache=cache/eagle3-tiny
 
 The program that runs the verifier to fill a cache is train/dump_features.py (it needs the verifier and the
@@ -122,7 +122,7 @@ def read_index(folder: str | os.PathLike) -> dict:
     if not path.is_file():
         hint = " (a dump was started but not finished: rerun it)" if (folder / "plan.json").is_file() else ""
         raise CacheError(f"{path}: no such file; feature_cache must be a folder written by "
-                         f"`python -m train.dump_features`{hint}")
+                         f"`draftheads dump-features`{hint}")
     try:
         index = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -246,8 +246,8 @@ def cached_datasets(cfg, check_hash: bool = False) -> tuple[CachedRows, CachedRo
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------------------
-MOVED = ("`python -m data.hidden_states dump` is now `python -m train.dump_features` (same arguments; "
-         "`accelerate launch -m train.dump_features ...` for several processes)")
+MOVED = ("`draftheads cache` checks a cache; `draftheads dump-features` fills one (same arguments; "
+         "`accelerate launch -m draftheads.train.dump_features ...` for several processes)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["dump"]:
         print(f"error: {MOVED}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="python -m data.hidden_states", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="draftheads cache", description=__doc__.split("\n\n")[0],
                                      epilog=MOVED)
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="check every shard of a cache: size, header, sha256")

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.chat import render_chat, resolve_chat_template
-from data.config import DataError
-from data.sources import RowError, json_rows, load_hub_dataset, normalize_messages
+from draftheads.data.chat import render_chat, resolve_chat_template
+from draftheads.data.config import DataError
+from draftheads.data.sources import RowError, json_rows, load_hub_dataset, normalize_messages
 
 #: The hub copy of MT-bench's question.jsonl (its `turns` renamed to `prompt`).
 MT_BENCH_HUB = "hf:HuggingFaceH4/mt_bench_prompts:train"

@@ -34,9 +34,9 @@ from typing import Any
 
 import datasets
 
-from data.config import DataConfig, DataError, DataWarning
-from data.progress import datasets_progress
-from data.stdlib import read_source, stdlib_files, stdlib_root
+from draftheads.data.config import DataConfig, DataError, DataWarning
+from draftheads.data.progress import datasets_progress
+from draftheads.data.stdlib import read_source, stdlib_files, stdlib_root
 
 #: Role names accepted in either shape, mapped to ours (ShareGPT exports use human/gpt; some use model/chatgpt).
 ROLES = {

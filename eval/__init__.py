@@ -1,12 +1,14 @@
-"""Evaluation: the speculative-decoding engine, the `python -m eval` CLI, metrics and reports.
+"""Evaluation in four rooms: the engine (eval/engine/), the drafters and their registry (eval/drafters/),
+measurement (eval/measure/) and the engines themselves (eval/interop/). `draftheads eval` is eval/__main__.py.
 
-    from eval import SpeculativeDecoder, FusedDecoder
-    dec = SpeculativeDecoder.from_pretrained("tiny-code", draft="runs/eagle3-tiny/drafter", method="eagle")
+    from draftheads.eval import build_decoder, FusedDecoder
+    dec = build_decoder("tiny-code", method="eagle", draft="runs/eagle3-tiny/drafter")
     out = dec.generate(prompts, max_new_tokens=64)          # or FusedDecoder(dec).generate(...): CUDA graphs + kernels
 """
 
-from eval.cuda_loop import FusedDecoder  # noqa: F401
-from eval.decoder import SpeculativeDecoder, make_drafter  # noqa: F401
-from eval.generation import DecodeStats, GenerationResult  # noqa: F401
-from eval.protocol import Committed, DecodeState, Draft, Drafter, Sampling  # noqa: F401
-from eval.tree import Tree  # noqa: F401
+from draftheads.eval.drafters import METHODS, build_decoder, make_drafter  # noqa: F401
+from draftheads.eval.engine.cuda_loop import FusedDecoder  # noqa: F401
+from draftheads.eval.engine.decoder import SpeculativeDecoder  # noqa: F401
+from draftheads.eval.engine.loop import DecodeStats, GenerationResult  # noqa: F401
+from draftheads.eval.engine.protocol import Committed, DecodeState, Draft, Drafter, NoDrafter, Sampling  # noqa: F401
+from draftheads.eval.engine.tree import Tree  # noqa: F401

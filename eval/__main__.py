@@ -1,19 +1,19 @@
 """Evaluate drafters: tau, per-position acceptance and wall-clock speedup beside plain decoding and Hugging Face.
-(`python -m eval tune ...` chooses a method and draft length from measurements: eval/tune.py.)
+(`draftheads tune ...` chooses a method and draft length from measurements: eval/measure/tune.py.)
 
-    python -m eval --verifier tiny-code --method eagle --draft runs/eagle3-tiny/drafter \\
+    draftheads eval --verifier tiny-code --method eagle --draft runs/eagle3-tiny/drafter \\
         --prompts humaneval --num-prompts 20 --max-new-tokens 128 --out results/eagle3 \\
         [--compare hf,hf-assisted] [--option depth=5 --option top_k=3] [--wandb]
 
     # several drafters in one table: --method/--draft pairs (a draft goes to the next method that takes one)
-    python -m eval --verifier tiny-code --method medusa --draft runs/medusa-tiny/drafter \\
+    draftheads eval --verifier tiny-code --method medusa --draft runs/medusa-tiny/drafter \\
         --method eagle3=eagle --draft runs/eagle3-tiny/drafter --option eagle3.chain=3 --prompts humaneval ...
 
 Always runs `autoregressive` too (the speedup is over it, measured in the same run on the same prompts; methods
 take turns batch by batch). Writes DIR/results.json (summary per method, one sample per prompt with its
 prompt_ids / output_ids / accepted counts per verifier call, the command, settings and environment), DIR/report.md
 and PNG plots, prints the markdown table; `--wandb` logs the same to wandb (offline without an API key).
-`python -m eval.verify DIR/results.json` re-checks greedy outputs against plain greedy decoding.
+`draftheads recheck DIR/results.json` re-checks greedy outputs against plain greedy decoding.
 
 Methods and options (`--option KEY=VALUE` for every method that has KEY, `--option LABEL.KEY=VALUE` for one;
 values are YAML: 3, true, [3, 2, 1], [[0], [1], [0, 0]]):
@@ -36,7 +36,12 @@ import sys
 import time
 from pathlib import Path
 
-from eval.cli_common import UsageError, encode_prompts, load_tokenizer, report_errors  # shared with eval/tune.py
+from draftheads.eval.measure.cli_common import (  # shared with eval/measure/tune.py
+    UsageError,
+    encode_prompts,
+    load_tokenizer,
+    report_errors,
+)
 
 ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle")
@@ -45,7 +50,7 @@ HF_ASSISTED_OPTIONS = ["assistant", "prompt_lookup_num_tokens", "max_matching_ng
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval", description=__doc__,
+    p = argparse.ArgumentParser(prog="draftheads eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", required=True, help="model folder, hub id, or embedded name (tiny-code, tiny-micro)")
     p.add_argument("--method", action="append", default=None, metavar="[LABEL=]METHOD",
@@ -90,8 +95,8 @@ def method_specs(methods: list[str] | None, drafts: list[str], options: list[str
     first if not asked for (it is the baseline)."""
     import inspect
 
-    from eval.decoder import METHODS
-    from eval.harness import MethodSpec
+    from draftheads.eval.drafters import METHODS
+    from draftheads.eval.measure.harness import MethodSpec
 
     specs, drafts = [], list(drafts)
     for entry in methods or ["autoregressive"]:
@@ -183,8 +188,8 @@ def check_args(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["tune"]:  # python -m eval tune ...: choose the method and draft length (eval/tune.py)
-        from eval.tune import main as tune
+    if argv[:1] == ["tune"]:  # draftheads tune ...: choose the method and draft length (eval/measure/tune.py)
+        from draftheads.eval.measure.tune import main as tune
 
         return tune(argv[1:])
     args = parser().parse_args(argv)
@@ -199,11 +204,18 @@ def main(argv: list[str] | None = None) -> int:
 def run(args, argv=None) -> int:
     import torch
 
-    from data.progress import quiet
-    from data.prompts import load_prompts
-    from eval.harness import RunSettings, run_methods
-    from eval.report import build_results, command_line, environment, log_wandb, summary_table, write_report
-    from models.verifier import Verifier
+    from draftheads.data.progress import quiet
+    from draftheads.data.prompts import load_prompts
+    from draftheads.eval.measure.harness import RunSettings, run_methods
+    from draftheads.eval.measure.report import (
+        build_results,
+        command_line,
+        environment,
+        log_wandb,
+        summary_table,
+        write_report,
+    )
+    from draftheads.models.verifier import Verifier
 
     say = (lambda *a: None) if quiet() else (lambda *a: print(*a, file=sys.stderr, flush=True))
     if args.threads is not None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import secrets
+import shutil
 from pathlib import Path
 from typing import Iterator
 

@@ -22,16 +22,24 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Sequence
 
 import torch
 
-from models.eagle import EagleConfig, EagleDrafter, EagleError, Eagle1Drafter, Eagle3Drafter
-from models.layouts import eagle_sglang, eagle_speculators, eagle_vllm, medusa_vllm
-from models.layouts.folder import (CONFIG_NAME, WEIGHTS_NAME, DrafterFormatError, metadata_block, read_drafter,
-                                   read_metadata, require_keys, write_drafter)
-from models.medusa import MedusaHeads, as_rows, check_tree, lora_model
-from models.verifier import Verifier, VerifierError, check_drafter_matches
+from draftheads.models.eagle import Eagle1Drafter, Eagle3Drafter, EagleConfig, EagleDrafter, EagleError
+from draftheads.models.layouts import eagle_sglang, eagle_speculators, eagle_vllm, medusa_vllm
+from draftheads.models.layouts.folder import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    DrafterFormatError,
+    metadata_block,
+    read_drafter,
+    read_metadata,
+    require_keys,
+    write_drafter,
+)
+from draftheads.models.medusa import MedusaHeads, as_rows, check_tree, lora_model
+from draftheads.models.verifier import Verifier, VerifierError, check_drafter_matches
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "export_eagle", "load_eagle",
            "load_medusa", "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa"]

@@ -1,6 +1,6 @@
 """The one learning-rate schedule: linear warm-up, then cosine decay to a floor.
 
-Used by the trainers (through train/optim.py), the embedded verifier's build (models/tiny.py) and the draft-model
+Used by the trainers (through train/optim.py), the embedded verifier's build (models/tiny/) and the draft-model
 script. The formula (the trainers' since their first version, kept so that runs reproduce): step s (0-based, one
 per optimizer step) of `warmup` warm-up steps runs at (s + 1) / (warmup + 1) of the peak, so the first step already
 learns and the ramp ends one below the peak; from step `warmup` the cosine runs from the peak down to `floor` x

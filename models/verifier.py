@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-#: Names that resolve to the embedded default verifiers built by `python -m models.tiny build`.
+#: Names that resolve to the embedded default verifiers built by `draftheads build-verifier`.
 EMBEDDED_VERIFIERS = {"tiny-code": "default", "tiny-micro": "micro"}
 
 #: Config fields that must agree between a drafter and its verifier (besides the fingerprint).
@@ -51,7 +51,7 @@ def resolve_verifier(name_or_path: str | os.PathLike) -> Path:
     """
     name = str(name_or_path)
     if name in EMBEDDED_VERIFIERS:
-        from models import tiny  # built lazily: most callers never need it
+        from draftheads.models import tiny  # built lazily: most callers never need it
 
         return Path(tiny.ensure_built(EMBEDDED_VERIFIERS[name]))
     path = Path(name).expanduser()

@@ -20,12 +20,12 @@ Methods (`VARIANTS`, CPU-sized; verifying N+1 tokens costs far more than one on 
 lookahead decoding (W/N/G small: a step runs 1 + (G + W)(N - 1) tokens),
 draft-model chain, Medusa chain and small trees, EAGLE-1 and EAGLE-3 chains and dynamic trees, HF generate,
 HF assisted generation with the draft model and with prompt lookup. All on the same prompts, taking turns batch by
-batch (eval/harness.py).
+batch (eval/measure/harness.py).
 
 `--compare vllm` also runs the chain variants and plain decoding in real vLLM (its CPU build, .venv-vllm:
 `bash scripts/setup_vllm.sh`) on the same verifier, drafters and prompts at T=0, at batch 1 and batch 4, and prints
 tokens/s and tau (1 + accepted / drafts) beside ours at the same batch sizes, measured in the same run (bench.json
-`vllm`). vLLM takes the first token from its prefill, our bench from its first verification step (eval/decoder.py),
+`vllm`). vLLM takes the first token from its prefill, our bench from its first verification step (eval/engine/decoder.py),
 so taus differ by that step's share; the interop suite compares the counts in one convention, exactly.
 
 Writes DIR/bench.json (settings, environment, per temperature the full summary of every method, per-step time
@@ -45,7 +45,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 #: label -> (method, which drafter, options). Sized for CPUs (see README, "Tree sizes on CPU").
 VARIANTS: dict[str, tuple[str, str | None, dict]] = {
@@ -233,9 +232,9 @@ def vllm_method(variant: str) -> tuple[str | None, int] | None:
 
 def compare_vllm(args, verifier, drafters: dict, prompts: list, variants: list[str]) -> dict:
     """Chains and plain decoding in vLLM and in our engine at VLLM_BATCHES, T = 0: tokens/s and tau side by side."""
-    from eval.harness import MethodSpec, RunSettings, run_methods
-    from eval.metrics import summarize
-    from eval.vllm_peer import VllmCase, run_vllm
+    from draftheads.eval.interop.vllm_peer import VllmCase, run_vllm
+    from draftheads.eval.measure.harness import MethodSpec, RunSettings, run_methods
+    from draftheads.eval.measure.metrics import summarize
 
     chosen = [v for v in variants if vllm_method(v) is not None]
     ids = [p[1] for p in prompts]
@@ -314,10 +313,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    from data.prompts import load_prompts, prompt_ids
-    from eval.harness import MethodSpec, RunSettings, run_methods
-    from eval.report import build_results, environment, write_report
-    from models.verifier import Verifier
+    from draftheads.data.prompts import load_prompts, prompt_ids
+    from draftheads.eval.measure.harness import MethodSpec, RunSettings, run_methods
+    from draftheads.eval.measure.report import build_results, environment, write_report
+    from draftheads.models.verifier import Verifier
 
     torch.set_num_threads(args.threads)
     variants = ["autoregressive"] + [v for v in args.variants if v != "autoregressive"]

@@ -7,7 +7,7 @@ Verifiers: the embedded one (`--embedded`, a built folder such as `$DRAFTHEADS_H
 a randomly initialised Llama-shaped ~1B one (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 5632, vocab
 32000, bf16; `--init-std` makes its next-token distributions peaked, so greedy continuations are stable).
 
-Drafter: EAGLE (`--eagle-version`, a chain of `--chain` tokens), built from models/eagle.py and briefly fitted
+Drafter: EAGLE (`--eagle-version`, a chain of `--chain` tokens), built from models/eagle/ and briefly fitted
 (`--fit-steps` AdamW steps of its own training loss) on the verifier's greedy continuations of random prompts
 (self-distillation). Random weights would accept almost nothing; tau is measured from the decode stats, never
 assumed. Where this build's engine has no `eagle` method yet, a draft model stands in (reported as such).
@@ -37,13 +37,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from eval import SpeculativeDecoder  # noqa: E402
-from eval.cuda_loop import Buckets, FusedDecoder  # noqa: E402
-from eval.decoder import make_drafter  # noqa: E402
-from eval.drafters import NoDrafter  # noqa: E402
-from models.verifier import Verifier  # noqa: E402
+from draftheads.eval import SpeculativeDecoder  # noqa: E402
+from draftheads.eval.drafters import make_drafter  # noqa: E402
+from draftheads.eval.engine.cuda_loop import Buckets, FusedDecoder  # noqa: E402
+from draftheads.eval.engine.protocol import NoDrafter  # noqa: E402
+from draftheads.models.verifier import Verifier  # noqa: E402
 
 CODE_PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -102,8 +100,8 @@ def prompts_for(verifier: Verifier, tokenizer, n: int, length: int, seed: int) -
 
 # ---- the drafter ---------------------------------------------------------------------------------------------------
 def fit_eagle(verifier: Verifier, args, device) -> tuple[torch.nn.Module, dict]:
-    """An EAGLE drafter from models/eagle.py, briefly fitted on the verifier's own greedy continuations."""
-    from models.eagle import EagleConfig, build_drafter, count_tokens
+    """An EAGLE drafter from models/eagle/, briefly fitted on the verifier's own greedy continuations."""
+    from draftheads.models.eagle import EagleConfig, build_drafter, count_tokens
 
     t0 = time.perf_counter()
     n, plen = (8, 8) if args.dry_run else (48, 16)

@@ -45,8 +45,6 @@ from typing import Callable
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as `python scripts/bench_train.py` from anywhere
-    sys.path.insert(0, str(ROOT))
 
 Step = Callable[[dict], None]
 
@@ -54,9 +52,9 @@ Step = Callable[[dict], None]
 # ---- per-method training steps (each from its trainer's own pieces) -------------------------------------------
 def medusa_step(cfg, verifier, batches: list[dict]) -> Step:
     """One Medusa optimizer step: train/medusa.py's features, objective, clipping and AdamW (Medusa-1 or -2)."""
-    from models.medusa import MedusaHeads, MedusaJoint, add_lora_from_config
-    from train.optim import build_optimizer
-    from train.medusa import HeadsObjective, JointObjective, batch_features
+    from draftheads.models.medusa import MedusaHeads, MedusaJoint, add_lora_from_config
+    from draftheads.train.medusa import HeadsObjective, JointObjective, batch_features
+    from draftheads.train.optim import build_optimizer
 
     heads = MedusaHeads.from_config(cfg.medusa, verifier)
     if cfg.medusa.joint:
@@ -89,9 +87,9 @@ def eagle_step(version: int) -> Callable:
     counts the whole training set; which tokens are kept does not change the cost)."""
 
     def build(cfg, verifier, batches: list[dict]) -> Step:
-        from models.eagle import EagleTrainModule, build_drafter, count_tokens
-        from train.features import feature_source
-        from train.optim import build_optimizer
+        from draftheads.models.eagle import EagleTrainModule, build_drafter, count_tokens
+        from draftheads.train.features import feature_source
+        from draftheads.train.optim import build_optimizer
 
         counts = None
         if version == 3:
@@ -121,7 +119,7 @@ def eagle_version(version: int) -> Callable:
     """A config check: `--method eagle{version}` trains what its name says."""
 
     def check(cfg) -> None:
-        from train.config import ConfigError
+        from draftheads.train.config import ConfigError
 
         if cfg.eagle.version != version:
             raise ConfigError(f"--method eagle{version} with eagle.version={cfg.eagle.version}: use "
@@ -222,7 +220,7 @@ def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int
 
 
 def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]:
-    from train.loaders import get_dataloaders
+    from draftheads.train.loaders import get_dataloaders
 
     train_dl, _ = get_dataloaders(cfg, tokenizer)
     batches = []
@@ -237,8 +235,8 @@ def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]
 
 def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches: int = 4,
         device: str | None = None, out: str | None = None, flops: bool = False) -> dict:
-    from train.config import parse_config
-    from train.placement import load_verifier
+    from draftheads.train.config import parse_config
+    from draftheads.train.placement import load_verifier
 
     spec = METHODS[method]
     module, _, name = spec.config_class.partition(":")
@@ -305,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from train.config import ConfigError
+    from draftheads.train.config import ConfigError
 
     try:
         main()

@@ -27,8 +27,8 @@ stage() { printf '\n== [%s, %dm%02ds] %s\n' "$(date +%T)" $(((SECONDS - START) /
 # The verifier is trained from the Python standard library once (the longest stage), then cached in
 # ${DRAFTHEADS_HOME:-~/.cache/draftheads}/$VERIFIER.
 stage "1/5 the embedded verifier $VERIFIER, and what it writes after HumanEval-style prompts"
-python -m models.tiny build --recipe "$RECIPE"
-python -m models.tiny generate --recipe "$RECIPE" --max-new-tokens 48 \
+draftheads build-verifier --recipe "$RECIPE"
+python -m draftheads.models.tiny generate --recipe "$RECIPE" --max-new-tokens 48 \
   'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' \
   'def is_palindrome(text: str) -> bool:\n    """Return True if text reads the same forwards and backwards."""\n'
 
@@ -40,7 +40,7 @@ stage "2/5 training data: what the verifier writes after stdlib functions' docst
   --out "$DIR/selfdistill.jsonl" --num-prompts 400
 # bf16 autocast only where the CPU multiplies bf16 natively (AVX512-BF16 / AMX): elsewhere it is emulated and an
 # EAGLE step takes ~10x longer than in fp32
-PRECISION=$(python -c "from models.tiny import native_bf16; print('bf16' if native_bf16() else 'no')")
+PRECISION=$(python -c "from draftheads.models.tiny import native_bf16; print('bf16' if native_bf16() else 'no')")
 DATA=(--data.source="$DIR/selfdistill.jsonl" --train.max_steps="$STEPS" --train.eval_every="$STEPS"
       --train.save_every="$STEPS" --train.mixed_precision="$PRECISION")
 if [ -f "$DIR/medusa-tiny/drafter/config.json" ]; then echo "cached: $DIR/medusa-tiny/drafter"; else
@@ -57,13 +57,13 @@ fi
 
 stage "4/5 evaluate on $PROMPTS HumanEval prompts beside autoregressive and HF assisted generation"
 # One torch thread: on a 2-core machine shared with anything else, two OpenMP threads wait on each other.
-python -m eval --verifier "$VERIFIER" \
+draftheads eval --verifier "$VERIFIER" \
   --method medusa --draft "$DIR/medusa-tiny/drafter" --option medusa.chain=3 \
   --method eagle3=eagle --draft "$DIR/eagle3-tiny/drafter" --option eagle3.chain=4 \
   --method ngram --compare hf-assisted \
   --prompts humaneval --num-prompts "$PROMPTS" --max-new-tokens 128 --threads 1 --out "$DIR/eval"
 
 stage "5/5 re-check: every greedy output equals plain greedy decoding of the verifier"
-python -m eval.verify "$DIR/eval/results.json"
+draftheads recheck "$DIR/eval/results.json"
 
 stage "done: report $DIR/eval/report.md, results $DIR/eval/results.json"

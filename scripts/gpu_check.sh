@@ -25,10 +25,10 @@ if [ "$MODE" = "--prepare" ]; then
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "transformers==$tf" "regex==$rx" || exit 1
-  if "$PY" -c "import models.tiny" 2>/dev/null; then
-    DRAFTHEADS_HOME=$PWD/.cache-gpu "$PY" -m models.tiny build --recipe micro || exit 1
+  if "$PY" -c "import draftheads.models.tiny" 2>/dev/null; then
+    DRAFTHEADS_HOME=$PWD/.cache-gpu "$PY" -m draftheads.models.tiny build --recipe micro || exit 1
   else
-    echo "[prepare] models.tiny is not in this build: the benchmark will skip the embedded verifier"
+    echo "[prepare] draftheads.models.tiny is not in this build: the benchmark will skip the embedded verifier"
   fi
   ls -la .whl .cache-gpu 2>/dev/null
   exit 0
@@ -57,7 +57,7 @@ fi
 triton.__version__)" 2>&1 | tee "$LOG/versions.txt"
 
 # 1. The CUDA tests: only the files that have some (collecting the rest would need packages the image lacks).
-files=$(grep -l "mark.cuda" tests/test_*.py | tr '\n' ' ')
+files=$(grep -l "mark.cuda" tests/*/test_*.py tests/e2e/interop/test_*.py | tr '\n' ' ')
 echo "[gpu_check] pytest -m cuda $files"
 timeout 200 "$PY" -m pytest -q -m cuda -p no:cacheprovider $files 2>&1 | tee "$LOG/pytest-cuda.log"
 tests_rc=${PIPESTATUS[0]}
@@ -66,8 +66,8 @@ tests_rc=${PIPESTATUS[0]}
 EMB=none
 if [ -f .cache-gpu/micro/config.json ]; then
   EMB=.cache-gpu/micro
-elif "$PY" -c "import models.tiny" 2>/dev/null && [ "$MODE" != "--dry-run" ]; then
-  if DRAFTHEADS_HOME=$PWD/.cache-gpu timeout 90 "$PY" -m models.tiny build --recipe micro > "$LOG/tiny-build.log" 2>&1
+elif "$PY" -c "import draftheads.models.tiny" 2>/dev/null && [ "$MODE" != "--dry-run" ]; then
+  if DRAFTHEADS_HOME=$PWD/.cache-gpu timeout 90 "$PY" -m draftheads.models.tiny build --recipe micro > "$LOG/tiny-build.log" 2>&1
   then EMB=.cache-gpu/micro; else echo "[gpu_check] embedded verifier not built in 90 s; skipped"; fi
 fi
 

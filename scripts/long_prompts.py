@@ -15,12 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def long_openings(tokenizer, files: list[Path], root: Path, min_tokens: int, num: int) -> list[dict]:
     """Up to `num` rows: each file's first lines, as few as reach `min_tokens` tokens."""
-    from data.stdlib import read_source
+    from draftheads.data.stdlib import read_source
 
     rows = []
     for path in files:
@@ -48,9 +46,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from data.stdlib import stdlib_files, stdlib_root
-    from models.atomic import write_text
-    from models.verifier import Verifier
+    from draftheads.data.stdlib import stdlib_files, stdlib_root
+    from draftheads.models.atomic import write_text
+    from draftheads.models.verifier import Verifier
 
     tokenizer = AutoTokenizer.from_pretrained(Verifier.from_pretrained(args.verifier).path)
     rows = long_openings(tokenizer, stdlib_files("eval"), stdlib_root(), args.tokens, args.num)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eval.tune import expected_tokens, optimal_draft_length, simulated_tokens, speedup_iid
+from draftheads.eval.measure.tune import expected_tokens, optimal_draft_length, simulated_tokens, speedup_iid
 
 ALPHAS = (0.5, 0.7, 0.85)
 COSTS = (0.02, 0.05, 0.1, 0.3)

@@ -22,9 +22,9 @@ import torch
 def build(seed: int = 0, dtype: torch.dtype = torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from models.eagle import EagleConfig, build_drafter
-    from models.medusa import MedusaHeads
-    from models.verifier import Verifier
+    from draftheads.models.eagle import EagleConfig, build_drafter
+    from draftheads.models.medusa import MedusaHeads
+    from draftheads.models.verifier import Verifier
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
@@ -62,9 +62,9 @@ RANK_ACCURACY = [[0.6, 0.1, 0.05, 0.03, 0.02], [0.4, 0.1, 0.06, 0.04, 0.03], [0.
 
 
 def decoder(verifier, drafter, heads, options: dict):
-    from eval import SpeculativeDecoder
-    from eval.decoder import make_drafter
-    from models.medusa import build_medusa_tree
+    from draftheads.eval import SpeculativeDecoder
+    from draftheads.eval.drafters import make_drafter
+    from draftheads.models.medusa import build_medusa_tree
 
     options = dict(options)
     method = options.pop("method")
@@ -77,7 +77,7 @@ def decoder(verifier, drafter, heads, options: dict):
 def accept_everything(dec) -> None:
     """Profiling only: every step accepts the deepest draft path (as a perfect drafter would), so the drafter's
     per-step work (its forward over the accepted tokens) is measured at its largest. Outputs are meaningless."""
-    from eval.acceptance import Acceptance, _path_to
+    from draftheads.eval.engine.acceptance import Acceptance, _path_to
 
     def accept(draft, out, sampling):
         tree = draft.tree.expand(draft.tokens.shape[0])

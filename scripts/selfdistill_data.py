@@ -4,11 +4,11 @@
         [--num-prompts 800] [--max-new-tokens 192] [--batch-size 16]
 
 A drafter learns to predict the verifier, so it learns best from the verifier's own continuations (the
-self-distillation of Medusa-2 and EAGLE; `eval.regenerate`). Which continuations matters too: HumanEval prompts
+self-distillation of Medusa-2 and EAGLE; `draftheads.train.regenerate`). Which continuations matters too: HumanEval prompts
 are a function signature and docstring, after which the verifier writes a body, while the head of a stdlib file
-(what `eval.regenerate --source stdlib` continues) is a licence and a module docstring. So the prompts here are
+(what `draftheads.train.regenerate --source stdlib` continues) is a licence and a module docstring. So the prompts here are
 every function / method of the stdlib `drafter` and `verifier` splits that has a docstring, from its `def` (or
-first decorator) to the end of the docstring, dedented, spread evenly over the files; `eval.regenerate` then
+first decorator) to the end of the docstring, dedented, spread evenly over the files; `draftheads.train.regenerate` then
 continues each greedily. The output JSONL (`text` rows) is a training source: `--data.source=<out>`.
 Never HumanEval itself: the evaluation prompts stay unseen.
 """
@@ -48,7 +48,7 @@ def function_prompts(source: str) -> list[str]:
 
 def collect(num_prompts: int, splits=("drafter", "verifier")) -> list[str]:
     """Up to `num_prompts` function prompts, taken round-robin over the files so that every module contributes."""
-    from data.stdlib import read_source, stdlib_files
+    from draftheads.data.stdlib import read_source, stdlib_files
 
     per_file = [p for split in splits for f in stdlib_files(split) if (p := function_prompts(read_source(f)))]
     out, i = [], 0
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "function_prompts.jsonl"
         source.write_text("".join(json.dumps({"text": t}) + "\n" for t in prompts))
-        cmd = [sys.executable, "-m", "eval.regenerate", "--verifier", args.verifier, "--source", str(source),
+        cmd = [sys.executable, "-m", "draftheads.train.regenerate", "--verifier", args.verifier, "--source", str(source),
                "--out", args.out, "--format", "text", "--max-new-tokens", str(args.max_new_tokens),
                "--prefix-tokens", str(args.prefix_tokens), "--batch-size", str(args.batch_size),
                "--temperature", str(args.temperature), "--dtype", "float32"]

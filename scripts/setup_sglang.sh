@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Make .venv-sglang/: an environment in which SGLang 0.5.23's own model-construction and weight-loading code runs
-# on a CPU (eval/sglang_runner.py), for the opt-in SGLang interop test (tests/interop/test_sglang.py). SGLang's
+# on a CPU (eval/interop/sglang_runner.py), for the opt-in SGLang interop test (tests/e2e/interop/test_sglang.py). SGLang's
 # server cannot run here (its wheel requires the CUDA stack; its CPU kernel package is not on PyPI), but its loader
 # can: the wheel is unpacked and put on sys.path (never pip-installed, so none of its CUDA requirements come in),
 # beside a CPU torch, triton and the pure-Python packages its loader imports (pinned as tested). Two names that
-# cannot be installed are stood in for by eval/sglang_stubs.py: torchvision (only multimodal modules import it) and
+# cannot be installed are stood in for by eval/interop/sglang_stubs.py: torchvision (only multimodal modules import it) and
 # vllm / vllm._custom_ops (CUDA kernels SGLang's fallbacks store for forward()). Idempotent (a stamp); ~2.2 min and
 # 2.5 GB from scratch. On failure one line naming the step and the log.
-#   bash scripts/setup_sglang.sh && DRAFTHEADS_SGLANG=1 bash scripts/test.sh tests/interop/test_sglang.py
+#   bash scripts/setup_sglang.sh && DRAFTHEADS_SGLANG=1 bash scripts/test.sh tests/e2e/interop/test_sglang.py
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=.venv-sglang
@@ -128,7 +128,7 @@ REQ
 step "what its loader imports" "${pip[@]}" install -q -r "$root/requirements.txt"
 step "import check" env PYTHONPATH="$root/src" "$root/venv/bin/python" -W ignore -c "
 import importlib.util, sys
-spec = importlib.util.spec_from_file_location('_sglstub', 'eval/sglang_stubs.py'); stub = importlib.util.module_from_spec(spec)
+spec = importlib.util.spec_from_file_location('_sglstub', 'eval/interop/sglang_stubs.py'); stub = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stub); stub.install(trees=['torchvision'], exact=['vllm', 'vllm._custom_ops'])
 import sglang.srt.models.llama_eagle3, sglang.srt.models.llama_eagle"
 echo "$want" >"$stamp"

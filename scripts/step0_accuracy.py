@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
 
 def first_draft_tokens(drafter, input_ids: torch.Tensor, feats) -> torch.Tensor:
@@ -31,7 +28,7 @@ def first_draft_tokens(drafter, input_ids: torch.Tensor, feats) -> torch.Tensor:
 
     `drafter` is an EAGLE drafter or Medusa heads (head 0); `feats` the verifier's features of input_ids.
     """
-    from models.eagle import EagleDrafter
+    from draftheads.models.eagle import EagleDrafter
 
     if not isinstance(drafter, EagleDrafter):  # Medusa: head 0 on f_t
         return drafter(feats.final)[0].argmax(-1)
@@ -44,7 +41,7 @@ def first_draft_tokens(drafter, input_ids: torch.Tensor, feats) -> torch.Tensor:
 @torch.no_grad()
 def step0_accuracy(drafters: dict, verifier, batches) -> dict[str, dict[str, float]]:
     """{name: {verifier, data, positions}} over batches of {input_ids, attention_mask, loss_mask}."""
-    from models.verifier import VerifierFeatures
+    from draftheads.models.verifier import VerifierFeatures
 
     layer_ids = sorted({i for d in drafters.values() for i in getattr(d, "feature_layers", [])})
     hits = {name: torch.zeros(2, dtype=torch.long) for name in drafters}
@@ -68,9 +65,7 @@ def step0_accuracy(drafters: dict, verifier, batches) -> dict[str, dict[str, flo
 
 def load_any(folder: Path, verifier):
     """An exported drafter folder of any method, read back for `verifier`: (label, module)."""
-    from models.export import load_eagle
-    from models.export import read_metadata
-    from models.export import load_medusa
+    from draftheads.models.export import load_eagle, load_medusa, read_metadata
 
     config = json.loads((folder / "config.json").read_text())
     method = read_metadata(config, str(folder / "config.json")).get("method")
@@ -96,9 +91,9 @@ def main(argv=None) -> dict:
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
-    from data.batching import build_datasets, collate
-    from data.config import DataConfig
-    from models.verifier import Verifier
+    from draftheads.data.batching import build_datasets, collate
+    from draftheads.data.config import DataConfig
+    from draftheads.models.verifier import Verifier
 
     verifier = Verifier.from_pretrained(args.verifier)
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)

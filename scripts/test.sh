@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Set up .venv on first use, then run the whole test suite on the CPU: bash scripts/test.sh [pytest args]
-# The interop suite (tests/interop: our exports in real vLLM) needs .venv-vllm, which scripts/setup_vllm.sh makes
+# Tiers (tests/unit, tests/integration, tests/e2e): `bash scripts/test.sh -m unit` is the quick loop (seconds),
+# `-m "unit or integration"` adds the in-process runs; CI runs all three.
+# The interop suite (tests/e2e/interop: our exports in real vLLM) needs .venv-vllm, which scripts/setup_vllm.sh makes
 # once (~3.5 min, 2.7 GB); DRAFTHEADS_INTEROP=0 leaves both out (the interop tests then report themselves skipped).
 # DRAFTHEADS_SGLANG=1 also makes .venv-sglang (scripts/setup_sglang.sh) for the SGLang loader test.
 set -euo pipefail
@@ -8,7 +10,7 @@ source "$(dirname "$0")/setup_env.sh"
 if [ "${DRAFTHEADS_INTEROP:-1}" != "0" ]; then
   bash scripts/setup_vllm.sh
 fi
-# SGLang's own loader on our exports (tests/interop/test_sglang.py): opt-in, its environment is 2.5 GB
+# SGLang's own loader on our exports (tests/e2e/interop/test_sglang.py): opt-in, its environment is 2.5 GB
 if [ "${DRAFTHEADS_SGLANG:-0}" = "1" ]; then
   bash scripts/setup_sglang.sh
 fi

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 def stdlib_windows(tokenizer, seq_len: int, max_files: int | None = None) -> torch.Tensor:
     """(N, seq_len) token windows of the stdlib `drafter` split, files packed back to back with EOS between."""
-    from data.stdlib import read_source, stdlib_files
+    from draftheads.data.stdlib import read_source, stdlib_files
 
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     stream: list[int] = []
@@ -57,8 +57,8 @@ def train_draft_model(verifier: str, out: str | Path, layers: int = 1, steps: in
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer
 
-    from models.schedule import warmup_cosine_schedule
-    from models.verifier import Verifier
+    from draftheads.models.schedule import warmup_cosine_schedule
+    from draftheads.models.verifier import Verifier
 
     torch.manual_seed(seed)
     teacher = Verifier.from_pretrained(verifier, dtype=torch.float32)
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from data.progress import quiet
+    from draftheads.data.progress import quiet
 
     info = train_draft_model(args.verifier, args.out, args.layers, args.steps, args.batch_size, args.seq_len, args.lr,
                              args.seed, progress=not quiet())

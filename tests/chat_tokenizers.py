@@ -49,7 +49,7 @@ _SENTENCES = [
 
 
 def _corpus() -> list[str]:
-    from data.stdlib import read_source, stdlib_files
+    from draftheads.data.stdlib import read_source, stdlib_files
 
     lines = []
     for path in stdlib_files("eval")[:3]:

@@ -1,4 +1,6 @@
 import os
+import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,20 @@ os.environ.setdefault("DRAFTHEADS_QUIET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.utils import FAMILIES, save_tiny_verifier  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    """What tests import lazily, imported once up front: a unit test's CPU budget is its own work, not a first
+    import of transformers' model classes or of the trainers."""
+    import transformers  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    from transformers.models import llama, mistral, qwen2  # noqa: F401
+
+    import draftheads.eval  # noqa: F401
+    import draftheads.eval.measure.harness  # noqa: F401
+    import draftheads.models.export  # noqa: F401
+    import draftheads.train.eagle  # noqa: F401
+    import draftheads.train.medusa  # noqa: F401
 
 
 @pytest.fixture(scope="session")
@@ -45,17 +61,52 @@ def one_thread():
 #: each other share a group, which one worker runs in order: multi-process launches (accelerate launch and torchrun
 #: take the default rendezvous port 29500) and the real engines (one vLLM set-up for the whole interop suite).
 XDIST_GROUPS = {
-    "launch": ("tests/test_multiprocess.py::", "tests/test_fsdp.py::", "::test_two_processes",
+    "launch": ("/test_multiprocess.py::", "/test_fsdp.py::", "::test_two_processes",
                "test_hidden_states.py::test_two_processes_split_the_shards"),
-    "interop": ("tests/interop/",),
+    "interop": ("tests/e2e/interop/",),
 }
+
+#: The tiers, by folder: tests/unit/ (the quick loop), tests/integration/ (in-process runs), tests/e2e/ (launchers,
+#: faults, builds, families, the real engines). A unit or integration test that spends more CPU time than its
+#: tier allows fails, naming the tier: move it up a tier, or make it cheaper. CPU time of this process (not wall
+#: time) so that a loaded machine does not fail a test; fixtures' set-up is not counted.
+TIER_CPU_LIMIT_S = {"unit": 2.0, "integration": 10.0, "e2e": None}
+
+
+def tier_of(path) -> str | None:
+    parts = Path(str(path)).resolve().relative_to(Path(__file__).resolve().parent).parts
+    return parts[0] if parts and parts[0] in TIER_CPU_LIMIT_S else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    start = time.process_time()
+    yield
+    item.cpu_seconds = time.process_time() - start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    tier = tier_of(item.path)
+    limit = TIER_CPU_LIMIT_S.get(tier) if tier else None
+    spent = getattr(item, "cpu_seconds", None)
+    if call.when == "call" and report.passed and limit is not None and spent is not None and spent > limit:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} spent {spent:.1f} s of CPU; a {tier} test may spend {limit:.0f} s "
+                           f"(tests/conftest.py TIER_CPU_LIMIT_S): move it to a higher tier or make it cheaper")
 
 
 def pytest_collection_modifyitems(config, items):
-    """`@pytest.mark.cuda` tests are skipped where no CUDA GPU is visible (the marker's promise in pyproject); the
-    xdist groups above are attached."""
+    """Each test gets its tier's marker (`-m unit` runs the quick loop); `@pytest.mark.cuda` tests are skipped where
+    no CUDA GPU is visible (the marker's promise in pyproject); the xdist groups above are attached."""
     import torch
 
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
     for item in items:
         for group, patterns in XDIST_GROUPS.items():
             if any(p in item.nodeid for p in patterns):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 
 def build_eval_setup(root: Path, **size) -> Path:
-    from data.prompts import load_prompts, prompt_ids
-    from models.export import export_eagle
-    from models.verifier import Verifier
+    from draftheads.data.prompts import load_prompts, prompt_ids
+    from draftheads.models.export import export_eagle
+    from draftheads.models.verifier import Verifier
     from tests.chat_tokenizers import plain_tokenizer
     from tests.utils import fit_eagle, greedy_corpus, noisy_copy, peaked_model
 

@@ -1,4 +1,4 @@
-"""One process of tests/test_fsdp.py, started by `torchrun --nproc_per_node 2` (gloo, CPU).
+"""One process of tests/e2e/test_fsdp.py, started by `torchrun --nproc_per_node 2` (gloo, CPU).
 
     torchrun --nproc_per_node 2 tests/fsdp_worker.py VERIFIER_DIR OUT_DIR
 
@@ -17,22 +17,19 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from accelerate import Accelerator  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from models.eagle import EagleConfig, EagleTrainModule, build_drafter  # noqa: E402
-from models.export import export_eagle
-from models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
-from models.verifier import Verifier  # noqa: E402
-from train.config import RunConfig  # noqa: E402
-from eval.consistency import check_export  # noqa: E402
-from train.export_check import check_exported_drafter, heldout_prompts  # noqa: E402
-from train.placement import fully_shard_verifier, is_sharded, unsharded  # noqa: E402
-from train.medusa import HeadsObjective  # noqa: E402
+from draftheads.eval.measure.consistency import check_export  # noqa: E402
+from draftheads.models.eagle import EagleConfig, EagleTrainModule, build_drafter  # noqa: E402
+from draftheads.models.export import export_eagle
+from draftheads.models.medusa import MedusaConfig, MedusaHeads  # noqa: E402
+from draftheads.models.verifier import Verifier  # noqa: E402
+from draftheads.train.config import RunConfig  # noqa: E402
+from draftheads.train.finish import check_exported_drafter, heldout_prompts  # noqa: E402
+from draftheads.train.medusa import HeadsObjective  # noqa: E402
+from draftheads.train.placement import fully_shard_verifier, is_sharded, unsharded  # noqa: E402
 
 STEPS, B, T = 3, 2, 24
 

@@ -1,7 +1,7 @@
 """Slow, readable references of the Medusa losses and held-out metrics, on materialised (K, B, T, V) logits.
 
-The product code (models/medusa.py) computes the same values through models/linear_loss.py without ever building
-these logits; the tests compare the two (values and gradients). Definitions: models/medusa.py's docstring.
+The product code (models/medusa/) computes the same values through models/linear_loss.py without ever building
+these logits; the tests compare the two (values and gradients). Definitions: models/medusa/'s docstring.
 """
 
 from __future__ import annotations

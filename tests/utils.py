@@ -16,8 +16,16 @@ GENERIC_FAMILIES = ("gemma3", "olmo2", "phi3")
 
 def tiny_config(family: str = "llama", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
                 **overrides):
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                   num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
@@ -137,7 +145,7 @@ def fit_eagle(verifier, version: int, corpus: list[list[int]], residual_scale: f
     (EAGLE-1: [embed(x_{t+1}); f_t]; EAGLE-3: the three layer features at t) to the verifier's next feature
     f_{t+1} on `corpus`, and its random decoder layer is kept but scaled down (o_proj and down_proj times
     `residual_scale`), so attention and the KV cache still shape every prediction. Eval mode, float32."""
-    from models.eagle import EagleConfig, build_drafter
+    from draftheads.models.eagle import EagleConfig, build_drafter
 
     torch.manual_seed(seed)
     cfg = EagleConfig(version=version, draft_vocab_size=overrides.pop("draft_vocab_size", None), **overrides)

@@ -17,8 +17,8 @@ import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from models.atomic import fsync_tree, replace_dir, usual_modes
-from train.config import ConfigError
+from draftheads.models.atomic import fsync_tree, replace_dir, usual_modes
+from draftheads.train.config import ConfigError
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"

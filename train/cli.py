@@ -12,18 +12,18 @@ import sys
 from pathlib import Path
 from typing import TypeVar
 
-from train.config import ConfigError, parse_config
-from train.loop import NonFiniteLossError
+from draftheads.train.config import ConfigError, parse_config
+from draftheads.train.loop import NonFiniteLossError
 
 C = TypeVar("C")
 
 
-def main_guard(fn, cls: type[C], argv: list[str] | None = None):
+def main_guard(fn, cls: type[C], argv: list[str] | None = None, prog: str | None = None):
     """Run `fn(cfg)` after parsing. A ConfigError prints one line and exits 2, like argparse does; a bad input found
     during the run (the project's own errors, which name the file / row / key to fix) or a fault of the environment
     (OSError: disk full, permissions) prints one line and exits 1."""
     try:
-        cfg = parse_config(cls, argv, prog=Path(sys.argv[0]).name)
+        cfg = parse_config(cls, argv, prog=prog or Path(sys.argv[0]).name)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -60,7 +60,7 @@ def _stop(signum, frame):
 
 
 def kept(output_dir) -> str:
-    from train.checkpoint import complete_checkpoints
+    from draftheads.train.checkpoint import complete_checkpoints
 
     last = complete_checkpoints(output_dir)
     if not last:
@@ -71,7 +71,7 @@ def kept(output_dir) -> str:
 
 def os_error_line(err: OSError) -> str:
     """One line for an environment fault during a run: what failed, on which file, and what is kept."""
-    from train.checkpoint import CheckpointWriteError
+    from draftheads.train.checkpoint import CheckpointWriteError
 
     if isinstance(err, CheckpointWriteError):
         return str(err)
@@ -82,10 +82,10 @@ def os_error_line(err: OSError) -> str:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message is the whole story (no traceback helps the user)."""
-    from data.config import DataError
-    from data.hidden_states import CacheError
-    from models.eagle import EagleError
-    from models.export import DrafterFormatError
-    from models.verifier import VerifierError
+    from draftheads.data.config import DataError
+    from draftheads.data.hidden_states import CacheError
+    from draftheads.models.eagle import EagleError
+    from draftheads.models.export import DrafterFormatError
+    from draftheads.models.verifier import VerifierError
 
     return DataError, CacheError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError

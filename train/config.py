@@ -18,8 +18,8 @@ from typing import Literal, TypeVar
 
 import yaml
 
-from data.config import DataConfig
-from models.atomic import write_text
+from draftheads.data.config import DataConfig
+from draftheads.models.atomic import write_text
 
 
 class ConfigError(ValueError):
@@ -104,7 +104,7 @@ class WandbConfig:
 @dataclass
 class ConsistencyConfig:
     """The end-of-run train/serve check: the exported drafter, reloaded from disk, decodes held-out prompts through
-    our engine (eval/consistency.py) and must accept exactly what the in-memory drafter accepts."""
+    our engine (eval/measure/consistency.py) and must accept exactly what the in-memory drafter accepts."""
 
     enabled: bool = True
     """Run the check after the export; its tau is logged as eval/tau (and eval/tau_in_memory)."""
@@ -159,7 +159,7 @@ class RunConfig:
 
     def __post_init__(self):
         if self.features == "offline" and not self.feature_cache:
-            raise ConfigError("features=offline needs feature_cache: the folder written by `python -m train.dump_features`")
+            raise ConfigError("features=offline needs feature_cache: the folder written by `draftheads dump-features`")
 
 
 C = TypeVar("C")

@@ -1,9 +1,9 @@
 """Fill an offline hidden-state cache: run the frozen verifier once over a training run's data and write what the
 drafter's loss reads (format: data/hidden_states.py), so training can read files instead of running the verifier.
 
-    python -m train.dump_features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny
-    accelerate launch -m train.dump_features --config configs/llama3-8b-eagle3.yaml --out /data/cache   # N GPUs
-    python -m data.hidden_states verify cache/eagle3-tiny            # sizes, headers and sha256 of every shard
+    draftheads dump-features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny
+    accelerate launch -m draftheads.train.dump_features --config configs/llama3-8b-eagle3.yaml --out /data/cache   # N GPUs
+    draftheads cache verify cache/eagle3-tiny            # sizes, headers and sha256 of every shard
     python train/eagle.py --config configs/eagle3-tiny.yaml --features=offline --feature_cache=cache/eagle3-tiny
 
 The same YAML drives the dump and the training run: the dump parses it with the trainer's own config class and
@@ -24,17 +24,27 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a file from a checkout: find the packages
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from data.batching import build_datasets
-from data.hidden_states import (FEATURE_DTYPES, FORMAT, METHODS, SPLITS, TOKEN_DTYPES, VERSION, CacheError,
-                                bytes_per_token, data_signature, human, sha256_file, shard_done, shard_name,
-                                sidecar_name)
-from models.atomic import atomic_path, write_json
-from models.dtypes import to_dtype
-from train.config import ConfigError, parse_config
-from train.placement import load_verifier
+from draftheads.data.batching import build_datasets
+from draftheads.data.hidden_states import (
+    FEATURE_DTYPES,
+    FORMAT,
+    METHODS,
+    SPLITS,
+    TOKEN_DTYPES,
+    VERSION,
+    CacheError,
+    bytes_per_token,
+    data_signature,
+    human,
+    sha256_file,
+    shard_done,
+    shard_name,
+    sidecar_name,
+)
+from draftheads.models.atomic import atomic_path, write_json
+from draftheads.models.dtypes import to_dtype
+from draftheads.train.config import ConfigError, parse_config
+from draftheads.train.placement import load_verifier
 
 
 # ---- what a run needs ----------------------------------------------------------------------------------------------
@@ -218,29 +228,29 @@ def _config_class(method: str | None, argv: list[str]):
         if method is None:
             raise CacheError("cannot tell the method: pass --method medusa|eagle1|eagle3 or a trainer --config")
     if method == "medusa":
-        from train.medusa import MedusaRunConfig
+        from draftheads.train.medusa import MedusaRunConfig
 
         return MedusaRunConfig
-    from train.eagle import EagleRunConfig
+    from draftheads.train.eagle import EagleRunConfig
 
     return EagleRunConfig
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["dump"]:  # the old `python -m data.hidden_states dump ...` spelling, with the module swapped
+    if argv[:1] == ["dump"]:  # the old `python -m draftheads.data.hidden_states dump ...` spelling, with the module swapped
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="python -m train.dump_features", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="draftheads dump-features", description=__doc__.split("\n\n")[0],
                                      epilog="Other arguments: --config FILE.yaml and the trainer's --key=value "
                                             "overrides (the run the cache is for).")
     parser.add_argument("--method", choices=METHODS, help="default: what the config trains")
     parser.add_argument("--out", help="cache folder (default: the config's feature_cache)")
     parser.add_argument("--dtype", choices=sorted(FEATURE_DTYPES), default="bfloat16", help="feature dtype on disk")
-    parser.add_argument("--rows_per_shard", type=int, default=256, help="rows per safetensors shard")
-    parser.add_argument("--batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
+    parser.add_argument("--rows-per-shard", "--rows_per_shard", dest="rows_per_shard", type=int, default=256, help="rows per safetensors shard")
+    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
     args, rest = parser.parse_known_args(argv)
     try:
-        cfg = parse_config(_config_class(args.method, rest), rest, prog="python -m train.dump_features")
+        cfg = parse_config(_config_class(args.method, rest), rest, prog="draftheads dump-features")
         out = args.out or cfg.feature_cache
         if not out:
             raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")

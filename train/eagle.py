@@ -8,9 +8,9 @@
 
 The run folder (`output_dir`) gets config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (a rerun of the
 same command continues from the newest) and drafter/, the folder vLLM loads as the speculative model
-(`engine: sglang` writes SGLang's flavour instead; see models/eagle.py for both layouts).
+(`engine: sglang` writes SGLang's flavour instead; see models/eagle/ for both layouts).
 
-In order (the drafter, the training-time-test unroll and the losses live in models/eagle.py):
+In order (the drafter, the training-time-test unroll and the losses live in models/eagle/):
   1. the frozen verifier and its tokenizer; fixed-length token rows of the training and held-out data;
   2. EAGLE-3 only: the draft vocabulary, the `eagle.draft_vocab_size` tokens most often *trained on* (counted at
      loss-masked positions of every training row, identically on every process, so no broadcast is needed);
@@ -21,37 +21,33 @@ In order (the drafter, the training-time-test unroll and the losses live in mode
      greedy token, conditional and cumulative, and the simulated acceptance length, logged as eval/... (EAGLE-1
      trains one step but is scored on the `eagle.ttt_steps`-token chains it drafts from its own outputs);
   6. the export, with a training summary in its `draftheads` metadata;
-  7. the train/serve check (`consistency` section, train/export_check.py): the export, reloaded from disk, decodes
+  7. the train/serve check (`consistency` section, train/finish.py): the export, reloaded from disk, decodes
      held-out prompts through our engine; its tau is logged as eval/tau, and a difference from the in-memory
      drafter's (eval/tau_in_memory) exits non-zero.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-if __package__ in (None, ""):  # run as a file (`accelerate launch train/eagle.py`) from a checkout: find the packages
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from draftheads.data.progress import quiet
+from draftheads.models.dtypes import to_dtype
+from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens
+from draftheads.models.export import check_eagle_engine, export_eagle
+from draftheads.train.cli import main_guard
+from draftheads.train.config import ConfigError, RunConfig
+from draftheads.train.finish import finish_run
+from draftheads.train.features import batch_tokens, feature_source
+from draftheads.train.heldout import heldout_sums
+from draftheads.train.loaders import get_dataloaders
+from draftheads.train.loop import TrainLoop
+from draftheads.train.optim import build_optimizer, cosine_schedule
+from draftheads.train.placement import load_verifier, unsharded
+from draftheads.train.tracking import build_accelerator, log_table, start_tracking
 
-from data.progress import quiet
-from models.dtypes import to_dtype
-from models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens
-from models.export import check_eagle_engine, export_eagle
-from train.cli import main_guard
-from train.config import ConfigError, RunConfig
-from train.export_check import finish_run
-from train.features import batch_tokens, feature_source
-from train.heldout import heldout_sums
-from train.loaders import get_dataloaders
-from train.loop import TrainLoop
-from train.optim import build_optimizer, cosine_schedule
-from train.placement import load_verifier, unsharded
-from train.tracking import build_accelerator, log_table, start_tracking
 
 @dataclass
 class EagleRunConfig(RunConfig):

@@ -7,7 +7,7 @@
 `features: online` (the default) runs the frozen verifier inside the step, under no-grad, keeping only what the
 drafter asked for: the final post-norm hidden state always, the inputs of `layer_ids` (forward hooks, never all of
 `output_hidden_states`), and the logits only with `return_logits`. `features: offline` reads the same tensors from
-the hidden-state cache (`python -m train.dump_features`, with `feature_cache: DIR`): the batches then come from
+the hidden-state cache (`draftheads dump-features`, with `feature_cache: DIR`): the batches then come from
 the cache's loader and carry the features; the trainer code does not change, only which source this returns.
 """
 
@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from models.verifier import VerifierFeatures
-from train.config import ConfigError, RunConfig
+from draftheads.models.verifier import VerifierFeatures
+from draftheads.train.config import ConfigError, RunConfig
 
 FeatureSource = Callable[[dict], VerifierFeatures]
 
@@ -41,7 +41,7 @@ def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = 
     """A source that reads each batch's features from the hidden-state cache (`data.hidden_states`): batches come
     from its loader (`train.loaders.get_dataloaders` with features=offline) with `final` (B, T, H) and `layers`
     (B, L, T, H) attached. The verifier is never run: only its lm_head, for the logits, which are lm_head(final)."""
-    from data.hidden_states import check_verifier, read_index
+    from draftheads.data.hidden_states import check_verifier, read_index
 
     index = read_index(folder)
     check_verifier(index, verifier, folder)

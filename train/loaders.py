@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from train.config import ConfigError, RunConfig
+from draftheads.train.config import ConfigError, RunConfig
 
 
 class EpochSampler(Sampler[int]):
@@ -52,10 +52,10 @@ def make_dataloaders(train_ds, eval_ds, cfg: RunConfig, collate: Callable) -> tu
 def get_dataloaders(cfg: RunConfig, tokenizer) -> tuple[DataLoader, DataLoader]:
     """Tokenised train / held-out loaders for a run (a test can call `make_dataloaders` with its own data)."""
     if cfg.features == "offline":  # the cached rows (the same rows, same order) with their verifier features
-        from data.hidden_states import cached_datasets, collate_cached
+        from draftheads.data.hidden_states import cached_datasets, collate_cached
 
         return make_dataloaders(*cached_datasets(cfg), cfg, collate_cached)
-    from data.batching import build_datasets, collate
+    from draftheads.data.batching import build_datasets, collate
 
     train_ds, eval_ds = build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)
     return make_dataloaders(train_ds, eval_ds, cfg, collate)

@@ -14,7 +14,7 @@ method:
 Held-out evaluation is the trainer's `evaluate` callback (built on train/heldout.py), and `loop.summary()` is what
 a run reports at the end. The other pieces of a run live beside this file, one concern each: tracking.py (the
 Accelerator and wandb), placement.py (the verifier, FSDP sharding, gathering for export), loaders.py, optim.py,
-checkpoint.py, features.py, heldout.py, export_check.py.
+checkpoint.py, features.py, heldout.py, finish.py.
 """
 
 from __future__ import annotations
@@ -28,10 +28,16 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from data.progress import quiet
-from train.checkpoint import (TrainState, complete_checkpoints, load_checkpoint, resolve_resume, save_checkpoint,
-                              step_dir)
-from train.config import RunConfig
+from draftheads.data.progress import quiet
+from draftheads.train.checkpoint import (
+    TrainState,
+    complete_checkpoints,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+    step_dir,
+)
+from draftheads.train.config import RunConfig
 
 
 class NonFiniteLossError(RuntimeError):

@@ -19,37 +19,40 @@ per-head table. At the end the per-rank accuracies of each head on the held-out 
 (`medusa.tree_budget` nodes) and everything is exported to `{output_dir}/drafter/` (the folder vLLM's Medusa loader
 reads; Medusa-2 adds `adapter/`), reloaded from there and checked: it must decode held-out prompts through our
 engine exactly as the in-memory heads do (`consistency` section; eval/tau is the export's tau, a difference
-exits non-zero, train/export_check.py). The run folder also holds config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints
+exits non-zero, train/finish.py). The run folder also holds config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints
 (`--train.resume=auto` continues from the newest) and wandb/ (offline unless an API key is configured).
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
-if __package__ in (None, ""):  # run as a file (`accelerate launch train/medusa.py`) from a checkout: find the packages
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from models.export import save_medusa
-from models.medusa import (MedusaConfig, MedusaHeads, MedusaJoint, add_lora_from_config, build_medusa_tree,
-                           expected_accepted_length, medusa2_losses, medusa_head_losses)
-from models.verifier import Verifier, VerifierFeatures
-from train.cli import main_guard
-from train.config import ConfigError, RunConfig
-from train.export_check import finish_run
-from train.features import FeatureSource, feature_source, online_features
-from train.heldout import heldout_sums
-from train.loaders import get_dataloaders
-from train.loop import TrainLoop
-from train.optim import build_optimizer, cosine_schedule
-from train.placement import load_verifier, sharded_weights, unsharded
-from train.tracking import build_accelerator, log_table, start_tracking
+from draftheads.models.export import save_medusa
+from draftheads.models.medusa import (
+    MedusaConfig,
+    MedusaHeads,
+    MedusaJoint,
+    add_lora_from_config,
+    build_medusa_tree,
+    expected_accepted_length,
+    medusa2_losses,
+    medusa_head_losses,
+)
+from draftheads.models.verifier import Verifier, VerifierFeatures
+from draftheads.train.cli import main_guard
+from draftheads.train.config import ConfigError, RunConfig
+from draftheads.train.finish import finish_run
+from draftheads.train.features import FeatureSource, feature_source, online_features
+from draftheads.train.heldout import heldout_sums
+from draftheads.train.loaders import get_dataloaders
+from draftheads.train.loop import TrainLoop
+from draftheads.train.optim import build_optimizer, cosine_schedule
+from draftheads.train.placement import load_verifier, sharded_weights, unsharded
+from draftheads.train.tracking import build_accelerator, log_table, start_tracking
 
 
 @dataclass

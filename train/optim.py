@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from models.schedule import warmup_cosine_schedule
-from train.config import RunConfig
+from draftheads.models.schedule import warmup_cosine_schedule
+from draftheads.train.config import RunConfig
 
 
 def build_optimizer(param_groups, cfg: RunConfig) -> torch.optim.Optimizer:

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from train.config import ConfigError, RunConfig
+from draftheads.train.config import ConfigError, RunConfig
 
 
 def load_verifier(cfg: RunConfig, device, accelerator=None):
@@ -25,7 +25,7 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
     """
     from transformers import AutoTokenizer
 
-    from models.verifier import Verifier, VerifierError
+    from draftheads.models.verifier import Verifier, VerifierError
 
     shard = accelerator is not None and verifier_sharded_by(accelerator)
     verifier = Verifier.from_pretrained(cfg.verifier, dtype=cfg.verifier_dtype, device="cpu" if shard else device,
@@ -62,7 +62,7 @@ def check_tokenizer_files(folder) -> None:
     tokenizer_config.json alone, and a run would train on nothing and exit 0."""
     from pathlib import Path
 
-    from models.verifier import VerifierError
+    from draftheads.models.verifier import VerifierError
 
     if not any((Path(folder) / name).is_file() for name in TOKENIZER_FILES):
         raise VerifierError(f"verifier folder {str(folder)!r} has no tokenizer files (expected one of "

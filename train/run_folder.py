@@ -30,9 +30,9 @@ from pathlib import Path
 
 import yaml
 
-from models.atomic import write_json
-from train.checkpoint import resolve_resume
-from train.config import ConfigError, config_dict, save_config
+from draftheads.models.atomic import write_json
+from draftheads.train.checkpoint import resolve_resume
+from draftheads.train.config import ConfigError, config_dict, save_config
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from eval.report import wandb_mode
-from train.config import ConfigError, RunConfig, config_dict
-from train.run_folder import claim_run_folder
+from draftheads.eval.measure.report import wandb_mode
+from draftheads.train.config import ConfigError, RunConfig, config_dict
+from draftheads.train.run_folder import claim_run_folder
 
 
 def build_accelerator(cfg: RunConfig):

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from models.eagle import EagleError
-from models.layouts import llama_draft
+from draftheads.models.eagle import EagleError
+from draftheads.models.layouts import llama_draft
 
 NAME = "sglang"
 CHECKED_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from models.eagle import EagleError
-from models.layouts import llama_draft
-from models.verifier import EMBEDDED_VERIFIERS
+from draftheads.models.eagle import EagleError
+from draftheads.models.layouts import llama_draft
+from draftheads.models.verifier import EMBEDDED_VERIFIERS
 
 NAME = "speculators"
 FORMAT_VERSION = "0.9.0"

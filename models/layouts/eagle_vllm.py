@@ -49,8 +49,8 @@ from __future__ import annotations
 
 import torch
 
-from models.eagle import EagleError
-from models.layouts import llama_draft
+from draftheads.models.eagle import EagleError
+from draftheads.models.layouts import llama_draft
 
 NAME = "vllm"
 #: config.json fields a reader compares with the drafter it rebuilt from the metadata.

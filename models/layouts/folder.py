@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from models.atomic import atomic_dir
+from draftheads.models.atomic import atomic_dir
 
 METADATA_KEY = "draftheads"
 WEIGHTS_NAME = "model.safetensors"
@@ -28,7 +28,7 @@ class DrafterFormatError(ValueError):
 
 def metadata_block(method: str, verifier, **extra) -> dict:
     """The `draftheads` block: what produced this drafter and for which verifier."""
-    from models import __version__
+    from draftheads import __version__
 
     return {"method": method, "version": __version__, "verifier": verifier.describe(), **extra}
 

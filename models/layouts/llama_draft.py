@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from models.dtypes import dtype_name
+from draftheads.models.dtypes import dtype_name
 
 LAYER = "layers.0."
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from models.dtypes import dtype_name
-from models.layouts.folder import DrafterFormatError
+from draftheads.models.dtypes import dtype_name
+from draftheads.models.layouts.folder import DrafterFormatError
 
 NAME = "vllm"
 ADAPTER_DIR = "adapter"

@@ -1,0 +1,64 @@
+"""What the eval commands share (`draftheads eval`, `draftheads tune`): the usage error, the verifier's tokenizer,
+prompts encoded and checked against the verifier's context."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+class UsageError(ValueError):
+    """A command line that cannot run; the message says which flag to fix."""
+
+
+def report_errors(command, *args) -> int:
+    """Run `command(*args)`; a user's mistake or an environment fault becomes one line on stderr and an exit status
+    (2: the command line; 1: a file, model, drafter or disk), never a traceback (DRAFTHEADS_TRACEBACK=1 shows the
+    one of a ValueError from an engine check)."""
+    from draftheads.data.config import DataError
+    from draftheads.models.eagle import EagleError
+    from draftheads.models.export import DrafterFormatError
+    from draftheads.models.verifier import VerifierError
+
+    try:
+        return command(*args)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (DataError, VerifierError, DrafterFormatError, EagleError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ValueError as err:  # a method option out of range (the engine's checks name the option)
+        if os.environ.get("DRAFTHEADS_TRACEBACK"):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"error: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 1
+
+
+def load_tokenizer(verifier, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    folder = verifier.path
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as err:  # no tokenizer files: say which folder
+        raise UsageError(f"verifier folder {str(folder)!r} has no usable tokenizer ({type(err).__name__}: {err}); "
+                         "the prompts are text, so the verifier folder needs its tokenizer files") from None
+
+
+def encode_prompts(prompts, tokenizer, chat_template, max_positions: int | None, max_new_tokens: int):
+    from draftheads.data.prompts import prompt_ids
+
+    encoded = []
+    for p in prompts:
+        ids = prompt_ids(p, tokenizer, chat_template)
+        if not ids:
+            raise UsageError(f"prompt {p.id!r} encodes to no tokens")
+        if max_positions and len(ids) + max_new_tokens > max_positions:
+            raise UsageError(f"prompt {p.id!r} has {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that "
+                             f"exceeds the verifier's max_position_embeddings={max_positions}")
+        encoded.append((p.id, ids))
+    return encoded

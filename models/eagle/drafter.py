@@ -1,0 +1,488 @@
+"""The EAGLE-1 and EAGLE-3 drafters (`EagleDrafter.step` is the one layer pass the trainer and the engine's
+cached drafter share) and `build_drafter`."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftheads.models.draft_losses import masked_mean, step_weights, token_loss
+from draftheads.models.eagle.config import EagleConfig, EagleError
+from draftheads.models.eagle.layer import (
+    OWN_LAYER_FAMILIES,
+    _family,
+    _Held,
+    _layer_config,
+    norm_scale,
+)
+from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss
+from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
+from draftheads.models.eagle.ttt import ttt_attention
+from draftheads.models.eagle.vocab import (
+    draft_to_target,
+    select_draft_vocab,
+    target_to_draft,
+)
+
+
+class EagleDrafter(nn.Module):
+    """The layer and attention both EAGLE versions share; see the module docstring for the inference API."""
+
+    version: int
+    parallel: bool = False  # EAGLE-3 sets it from eagle.parallel
+
+    def __init__(self, verifier, cfg: EagleConfig):
+        super().__init__()
+        if cfg.version != self.version:
+            raise EagleError(f"eagle.version={cfg.version} given to the EAGLE-{self.version} drafter")
+        model_type = verifier.config.model_type
+        layer_cls, norm_cls, rope_cls, self._apply_rope = _family(model_type)
+        self.cfg = cfg
+        self.model_type = model_type
+        self.layer_config = _layer_config(verifier.config)
+        self.verifier_vocab_size = verifier.vocab_size
+        H = verifier.hidden_size
+        self.hidden_size = H
+
+        layer = layer_cls(self.layer_config, layer_idx=0)
+        attn = layer.self_attn
+        self.head_dim = attn.head_dim
+        self.num_heads = attn.q_proj.out_features // self.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        qkv_bias = cfg.qkv_bias if cfg.qkv_bias is not None else attn.q_proj.bias is not None
+        qkv_in = 2 * H if self.version == 3 else H
+        attn.q_proj = nn.Linear(qkv_in, self.num_heads * self.head_dim, bias=qkv_bias)
+        attn.k_proj = nn.Linear(qkv_in, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        attn.v_proj = nn.Linear(qkv_in, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        eps = self.layer_config.rms_norm_eps
+        if self.version == 1:
+            del layer.input_layernorm  # EAGLE-1: the fc output enters attention un-normalised
+        else:
+            layer.hidden_norm = norm_cls(H, eps=eps)
+        self.layers = nn.ModuleList([layer])
+        self.fc = nn.Linear((2 if self.version == 1 else 3) * H, H, bias=cfg.use_fc_bias)
+        self._held = _Held(embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head,
+                           rotary_emb=rope_cls(self.layer_config))
+
+    # ---- handles -------------------------------------------------------------------------------------------------
+    @property
+    def layer(self) -> nn.Module:
+        return self.layers[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Verifier layer ids whose inputs this drafter consumes (EAGLE-1: none, it uses the final feature)."""
+        return []
+
+    @property
+    def token_embedding(self) -> torch.Tensor:
+        """(V, H) the verifier's token embedding, which the drafter reads (frozen, shared, not its parameter)."""
+        return self._held.embed_tokens.weight
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():  # frozen, shared with the verifier; the table itself, as the engines read it (a
+            # family that scales its embeddings in the module, Gemma, is not scaled here: vLLM scales in the model)
+            return F.embedding(input_ids, self.token_embedding).to(self.dtype)
+
+    # ---- the layer -----------------------------------------------------------------------------------------------
+    def _layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(attention input, residual) for token embeddings and hidden states (B, N, H)."""
+        raise NotImplementedError
+
+    def _qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """q (B, nh, N, d), k and v (B, nkv, N, d); RoPE applied to q and k."""
+        attn = self.layer.self_attn
+        B, N, _ = x.shape
+        q = attn.q_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
+        rope = self._held.rotary_emb
+        if rope.inv_freq.device != x.device:
+            rope.to(x.device)  # moved, never cast: angles in fp32, cos/sin returned in v's dtype
+        cos, sin = rope(v, position_ids)  # (B, N, d)
+        q, k = self._apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                causal: bool = False) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d) + mask) v, heads merged: (B, N, nh*d)."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # GQA: each kv head serves `groups` query heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal and mask is None)
+        B, _, N, _ = out.shape
+        return out.transpose(1, 2).reshape(B, N, -1)
+
+    def _block(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """o_proj + residual, then the MLP sub-block: the layer's output (B, N, H)."""
+        layer = self.layer
+        h = residual + layer.self_attn.o_proj(attn_out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    # ---- inference API -------------------------------------------------------------------------------------------
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+             attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """One pass of the drafter layer over N new (token, hidden) pairs: the one computation that training (the
+        TTT unroll), `forward` and the engine's cached drafter (draftheads.eval.drafters.eagle) all run.
+
+        input_ids, position_ids (B, N); hidden (B, N, H) in the drafter's dtype. The cache is the caller's:
+        `attend(q, k, v)` gets the new tokens' q (B, nh, N, d) and k, v (B, nkv, N, d), RoPE applied, stores k/v
+        wherever it keeps them and returns the attention output over what it holds, heads merged (B, N, nh*d).
+        Returns the layer's output (B, N, H)."""
+        x, residual = self._layer_input(self.embed(input_ids), hidden)
+        q, k, v = self._qkv(x, position_ids)
+        return self._block(attend(q, k, v), residual)
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                past_key_value: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Run N new tokens against an optional cache; see the module docstring. Returns (out_hidden, (k, v))."""
+        B, N = input_ids.shape
+        past = 0 if past_key_value is None else past_key_value[0].shape[2]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + N, device=input_ids.device).expand(B, N)
+        if attention_mask is None and past:  # causal over the new tokens, the whole cache visible
+            attention_mask = torch.ones(N, past + N, dtype=torch.bool, device=input_ids.device).tril(past)
+        elif attention_mask is not None and attention_mask.shape[-2:] != (N, past + N):
+            raise EagleError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                             f"(B, 1, {N}, {past + N}) for {N} new tokens after {past} cached ones")
+        kv = []
+
+        def attend(q, k, v):  # the cache is this call's: the past keys/values, then the new ones
+            if past_key_value is not None:
+                k = torch.cat([past_key_value[0].to(k.dtype), k], dim=2)
+                v = torch.cat([past_key_value[1].to(v.dtype), v], dim=2)
+            kv.extend((k, v))
+            return self._attend(q, k, v, attention_mask, causal=attention_mask is None)
+
+        out = self.step(input_ids, hidden.to(self.dtype), position_ids, attend)
+        return out, (kv[0], kv[1])
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def project_features(self, layer_feats) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def training_loss(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor,
+                      position_ids: torch.Tensor | None = None) -> EagleOutput:
+        """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` of them, loss_mask (B, T)."""
+        raise NotImplementedError
+
+    def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   steps: int | None = None) -> list[torch.Tensor]:
+        """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
+        consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` (B, T, H) is step 0's
+        hidden input: EAGLE-3 h_t = fc(features), EAGLE-1 the verifier's final feature f_t."""
+        steps = self.cfg.ttt_steps if steps is None else steps
+        B, T = input_ids.shape
+        position_ids = self._default_positions(input_ids, position_ids)
+        keys, values, outs = [], [], []
+        for k in range(steps):
+            ids_k, hidden = self._step_inputs(input_ids, hidden, k)
+
+            def attend(q, kk, vv, k=k):  # the unroll's cache: every step's keys/values so far
+                keys.append(kk)
+                values.append(vv)
+                if k == 0:
+                    return self._attend(q, kk, vv, None, causal=True)
+                # the step-0 prefix causally, plus this position's own chain of keys (see `ttt_attention`)
+                return ttt_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
+
+            hidden = self.step(ids_k, hidden, position_ids + k, attend)
+            outs.append(hidden)
+        return outs
+
+    def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor, k: int):
+        """(token ids, hidden) that TTT step k reads at every stream position: x_{t+1+k} (zero past the end) and
+        `hidden`, the previous step's output (step 0: the features)."""
+        return F.pad(input_ids[:, 1 + k:], (0, 1 + k)), hidden
+
+    @torch.no_grad()
+    def chain_counts(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor, steps: int | None = None,
+                     position_ids: torch.Tensor | None = None) -> StepCounts:
+        """Greedy draft chains of `steps` tokens (default ttt_steps) from every position, each step fed the
+        drafter's own previous output, scored against the verifier's argmax: the metrics of the module docstring.
+
+        EAGLE-3 with steps = ttt_steps gives the counts of `training_loss` in eval mode; EAGLE-1, which trains one
+        step, is scored on the chain it drafts at inference.
+        """
+        B, T = input_ids.shape
+        hidden = self.project_features(features.layers if self.version == 3 else [features.final])
+        outs = self.ttt_unroll(input_ids, hidden.to(self.dtype), position_ids, steps)
+        target_ids = self._target_logits(features).argmax(-1)  # (B, T): argmax q_t predicts x_{t+1}
+        correct = torch.zeros(len(outs), B, T, dtype=torch.bool, device=input_ids.device)
+        valid = torch.zeros_like(correct)
+        for k, out in enumerate(outs):
+            n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}
+            if n <= 0:
+                continue
+            draft = self.to_target_ids(self.logits(out[:, :n]).argmax(-1))  # (B, n)
+            correct[k, :, :n] = draft == target_ids[:, 1 + k:T - 1]
+            valid[k, :, :n] = loss_mask[:, 2 + k:].bool()
+        return step_counts(correct, valid)
+
+    def _target_logits(self, features) -> torch.Tensor:
+        if features.logits is not None:
+            return features.logits
+        with torch.no_grad():
+            return self._held.lm_head(features.final)
+
+    def _default_positions(self, input_ids, position_ids):
+        if position_ids is None:
+            B, T = input_ids.shape
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        return position_ids
+
+
+class Eagle1Drafter(EagleDrafter):
+    """EAGLE-1: f'_t = Layer(fc([embed(x_{t+1}); f_t])), decoded by the verifier's lm_head."""
+
+    version = 1
+
+    def _layer_input(self, embeds, hidden):
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))  # (B, N, H)
+        return x, x
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        lm_head = self._held.lm_head
+        return lm_head(out_hidden.to(lm_head.weight.dtype))  # (B, N, V), no extra norm
+
+    def project_features(self, layer_feats) -> torch.Tensor:
+        if isinstance(layer_feats, torch.Tensor):
+            return layer_feats
+        if len(layer_feats) != 1:
+            raise EagleError(f"EAGLE-1 takes the verifier's final feature only; got {len(layer_feats)} tensors")
+        return layer_feats[0]
+
+    def training_loss(self, input_ids, features, loss_mask, position_ids=None) -> EagleOutput:
+        B, T = input_ids.shape
+        if T < 3:
+            raise EagleError(f"EAGLE-1 needs sequences of at least 3 tokens; got {T}")
+        final = features.final  # (B, T, H)
+        hidden = final.to(self.dtype)
+        if self.training and self.cfg.input_noise > 0:
+            hidden = add_uniform_noise(hidden, self.cfg.input_noise)
+        ids_in = F.pad(input_ids[:, 1:], (0, 1))  # x_{t+1} at position t
+        out, _ = self(ids_in, hidden, self._default_positions(input_ids, position_ids))
+        n = T - 2  # positions t = 0..T-3 predict x_{t+2}, which exists
+        pred, target = out[:, :n], final[:, 1:n + 1]
+        target_logits = self._target_logits(features)[:, 1:n + 1]  # q_{t+1}
+        pred_logits = self.logits(pred)
+        mask = loss_mask[:, 2:].bool()
+        loss, feature, token = eagle1_loss(pred, target, pred_logits, target_logits, mask,
+                                           self.cfg.feature_weight, self.cfg.token_weight, self.cfg.loss,
+                                           self.cfg.lk_eta)
+        with torch.no_grad():
+            correct = pred_logits.argmax(-1) == target_logits.argmax(-1)
+            counts = step_counts(correct[None], mask[None])
+        return EagleOutput(loss=loss, step_losses=loss.detach()[None], counts=counts,
+                           parts={"feature_loss": feature.detach(), "token_loss": token.detach()})
+
+
+class Eagle3Drafter(EagleDrafter):
+    """EAGLE-3: fc over three verifier layers, [embed; hidden] attention input, own norm + lm_head over Vd."""
+
+    version = 3
+
+    def __init__(self, verifier, cfg: EagleConfig, d2t: torch.Tensor | None = None, t2d: torch.Tensor | None = None):
+        super().__init__(verifier, cfg)
+        layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else verifier.default_eagle3_layers()
+        verifier.check_layer_ids(layer_ids, key="eagle.layer_ids")
+        self.layer_ids = layer_ids
+        V = verifier.vocab_size
+        if d2t is None:
+            size = V if cfg.draft_vocab_size is None else min(cfg.draft_vocab_size, V)
+            if size < V:
+                raise EagleError(
+                    f"eagle.draft_vocab_size={size} < vocab {V}: pass token counts of the training data "
+                    "(build_drafter(..., token_counts=count_tokens(...))) to choose the draft vocabulary")
+            d2t, t2d = select_draft_vocab(torch.zeros(V, dtype=torch.long), V)
+        if t2d is None or t2d.numel() != V or d2t.dtype != torch.long or t2d.dtype != torch.bool:
+            raise EagleError(f"draft vocab maps must be d2t int64 [Vd] and t2d bool [{V}]")
+        if not torch.equal(target_to_draft(draft_to_target(torch.arange(d2t.numel()), d2t), t2d),
+                           torch.arange(d2t.numel())):
+            raise EagleError("d2t and t2d disagree: draft id -> target id -> draft id does not round-trip")
+        Vd = d2t.numel()
+        H = self.hidden_size
+        self.register_buffer("d2t", d2t.clone())
+        self.register_buffer("t2d", t2d.clone())
+        norm_cls = _family(self.model_type)[1]
+        eps = self.layer_config.rms_norm_eps
+        self.norm = norm_cls(H, eps=eps)
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        if cfg.fc_norm:  # EAGLE 3.1: one norm per feature layer, before fc (vLLM fc_norm.{0,1,2})
+            self.fc_norm = nn.ModuleList([norm_cls(H, eps=eps) for _ in range(3)])
+        self.parallel = cfg.parallel
+        if cfg.parallel:  # P-EAGLE: the feature-space input of every mask position, through fc like a feature
+            self.mask_token_id = resolve_mask_token(verifier, cfg.mask_token_id)
+            self.mask_hidden = nn.Parameter(torch.randn(3 * H))
+        if cfg.init_from_verifier:
+            with torch.no_grad():
+                columns = torch.arange(Vd) + d2t
+                self.lm_head.weight.copy_(verifier.lm_head.weight.detach().float().cpu()[columns])
+                if self.model_type in OWN_LAYER_FAMILIES:
+                    self.norm.weight.copy_(verifier.norm.weight.detach().float().cpu())
+                else:  # the same per-channel scale in the Llama norm's convention (Gemma's is 1 + w)
+                    self.norm.weight.copy_(norm_scale(verifier.norm, H))
+
+    @property
+    def feature_layers(self) -> list[int]:
+        return list(self.layer_ids)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def full_vocab(self) -> bool:
+        """The draft vocabulary is the verifier's whole vocabulary (d2t is zero, t2d all true)."""
+        return self.draft_vocab_size == self.verifier_vocab_size
+
+    def project_features(self, layer_feats) -> torch.Tensor:
+        """fc over the concatenated verifier features: list of 3 x (B, T, H), or (B, T, 3H) -> (B, T, H); with
+        fc_norm, each layer's H-wide block is normalised first."""
+        if isinstance(layer_feats, torch.Tensor):
+            layer_feats = layer_feats.chunk(3, dim=-1) if self.cfg.fc_norm else [layer_feats]
+        layer_feats = [x.to(self.dtype) for x in layer_feats]
+        if self.cfg.fc_norm:
+            layer_feats = [norm(x) for norm, x in zip(self.fc_norm, layer_feats)]
+        return self.fc(torch.cat(layer_feats, dim=-1))
+
+    def keep_fraction(self, step: int) -> float:
+        """parallel: the share of positions step `step` trains, max(decay**step, floor) (1 at step 0). Kept sets
+        are nested, as in speculators: a chain trained at step k was trained at step k-1."""
+        decay, floor = self.cfg.parallel_keep
+        return max(decay ** step, floor)
+
+    def mask_feature(self) -> torch.Tensor:
+        """parallel: (H,) the hidden input of every mask position, fc(mask_hidden) (fc_norm first, if on)."""
+        return self.project_features(self.mask_hidden[None, None])[0, 0]
+
+    def _step_inputs(self, input_ids, hidden, k):
+        if not self.parallel or k == 0:
+            return super()._step_inputs(input_ids, hidden, k)
+        B, T = input_ids.shape
+        return torch.full_like(input_ids, self.mask_token_id), self.mask_feature().expand(B, T, -1)
+
+    def _block(self, attn_out, residual):
+        out = super()._block(attn_out, residual)
+        return self.norm(out) if self.cfg.norm_output else out  # EAGLE 3.1: the next step reads the normed hidden
+
+    def _layer_input(self, embeds, hidden):
+        if hidden.shape[-1] == self.fc.in_features:  # raw verifier features
+            hidden = self.project_features(hidden)
+        layer = self.layer
+        normed = layer.hidden_norm(hidden)
+        residual = normed if self.cfg.norm_before_residual else hidden
+        return torch.cat([layer.input_layernorm(embeds), normed], dim=-1), residual  # (B, N, 2H), (B, N, H)
+
+    def logits(self, out_hidden: torch.Tensor) -> torch.Tensor:
+        if self.cfg.norm_output:  # the hidden is already the final norm's output
+            return self.lm_head(out_hidden)
+        return self.lm_head(self.norm(out_hidden))  # (B, N, Vd)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_to_target(draft_ids, self.d2t)
+
+    def training_loss(self, input_ids, features, loss_mask, position_ids=None) -> EagleOutput:
+        B, T = input_ids.shape
+        if len(features.layers) != 3:
+            raise EagleError(f"EAGLE-3 needs the verifier features of layers {self.layer_ids}; got "
+                             f"{len(features.layers)} layer tensors (request layer_ids=drafter.feature_layers)")
+        feats = torch.cat(features.layers, dim=-1).to(self.dtype)  # (B, T, 3H)
+        if self.training and self.cfg.input_noise > 0:
+            feats = add_uniform_noise(feats, self.cfg.input_noise)
+        outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids)
+        with torch.no_grad():
+            target_logp, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
+        loss_mask = loss_mask.bool()
+        K = len(outs)
+        correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
+        valid = torch.zeros_like(correct)
+        zero = torch.zeros((), device=input_ids.device)
+        step_losses, step_alpha = [], []
+        kept = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # parallel: chains still trained
+        for k, out in enumerate(outs):
+            n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}, which exists
+            if n <= 0:
+                step_losses.append(outs[0].sum() * 0)
+                step_alpha.append(zero)
+                continue
+            logits = self.logits(out[:, :n])  # (B, n, Vd)
+            scored = loss_mask[:, 2 + k:]  # (B, n)
+            trained = scored & in_draft[:, 1 + k:T - 1]
+            if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
+                ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
+                kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
+                trained = trained & kept[:, :n]
+            per_position, alpha = token_loss(self.cfg.loss, logits, target_logp[:, 1 + k:T - 1],
+                                             self.cfg.lk_eta)
+            step_losses.append(masked_mean(per_position, trained))
+            step_alpha.append(masked_mean(alpha, trained))
+            with torch.no_grad():
+                correct[k, :, :n] = self.to_target_ids(logits.argmax(-1)) == target_ids[:, 1 + k:T - 1]
+                valid[k, :, :n] = scored
+        weights = step_weights(self.cfg.step_weights, K, self.cfg.decay, torch.stack(step_alpha)).to(zero.device)
+        loss = (weights * torch.stack(step_losses)).sum()
+        step_losses = [x.detach() for x in step_losses]
+        return EagleOutput(loss=loss, step_losses=torch.stack(step_losses), counts=step_counts(correct, valid))
+
+
+def resolve_mask_token(verifier, mask_token_id: int | None) -> int:
+    """The mask token of a parallel drafter: `mask_token_id`, or the verifier's pad token, else its eos token."""
+    config = verifier.config
+    if mask_token_id is None:
+        for key in ("pad_token_id", "eos_token_id"):
+            value = getattr(config, key, None)
+            value = value[0] if isinstance(value, (list, tuple)) and value else value
+            if isinstance(value, int):
+                mask_token_id = value
+                break
+        else:
+            raise EagleError("eagle.parallel=true: the verifier's config has no pad_token_id or eos_token_id to use "
+                             "as the mask token; set eagle.mask_token_id")
+    if not 0 <= mask_token_id < verifier.vocab_size:
+        raise EagleError(f"eagle.mask_token_id={mask_token_id}: expected a token id below the verifier's vocab "
+                         f"size {verifier.vocab_size}")
+    return int(mask_token_id)
+
+
+def build_drafter(verifier, cfg: EagleConfig, token_counts: torch.Tensor | None = None,
+                  dtype: torch.dtype | None = None) -> EagleDrafter:
+    """A fresh drafter for `verifier` (fp32 unless `dtype`), on the verifier's device.
+
+    EAGLE-3 with a draft vocabulary smaller than the verifier's needs `token_counts` ((V,) from `count_tokens`
+    summed over the training data); the most frequent tokens become the draft vocabulary.
+    """
+    if cfg.version == 1:
+        drafter = Eagle1Drafter(verifier, cfg)
+    else:
+        d2t = t2d = None
+        if token_counts is not None:
+            V = verifier.vocab_size
+            if token_counts.numel() != V:
+                raise EagleError(f"token_counts has {token_counts.numel()} entries; the verifier's vocab has {V}")
+            size = V if cfg.draft_vocab_size is None else min(cfg.draft_vocab_size, V)
+            d2t, t2d = select_draft_vocab(token_counts, size)
+        drafter = Eagle3Drafter(verifier, cfg, d2t=d2t, t2d=t2d)
+    return drafter.to(device=verifier.device, dtype=dtype or torch.float32)

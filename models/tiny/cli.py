@@ -1,0 +1,90 @@
+"""`draftheads build-verifier` (also `python -m draftheads.models.tiny`): build, locate or sample an embedded
+verifier."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from draftheads.models.tiny.cache import _transformers_bars_off, build, ensure_built, read_build_info
+from draftheads.models.tiny.pretrain import _cpu_count
+from draftheads.models.tiny.recipe import RECIPES, Recipe
+
+
+@torch.no_grad()
+def greedy_generate(folder: str | Path, prompts: list[str], max_new_tokens: int = 64) -> list[str]:
+    """Greedy continuations (text after each prompt) from a model folder, with plain HF `generate`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    with _transformers_bars_off():
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids  # (1, T)
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        texts.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return texts
+
+
+# ---- CLI --------------------------------------------------------------------------------------------------------------
+def summary(folder: str | Path) -> str:
+    info = read_build_info(folder) or {}
+    fig, held = info.get("figures", {}), info.get("held_out", {})
+    lines = [f"{info.get('recipe_name', '?')} (seed {info.get('seed')}): {folder}"]
+    if held:
+        lines.append(f"  held-out bits per byte: {held['bits_per_byte']:.4f} "
+                     f"({held['nats_per_token']:.4f} nats/token over {held['files']} eval files, "
+                     f"{held['tokens']} tokens, {held['bytes']} bytes)")
+    if fig:
+        lines.append(f"  training: {fig['train_tokens']} tokens at {fig['train_tokens_per_s']:.0f} tokens/s "
+                     f"({fig['steps_per_s']:.2f} steps/s, {fig['precision']}, {fig['threads']} threads), "
+                     f"final train loss {fig['train_loss']:.4f} nats/token")
+        lines.append(f"  build time: {fig['total_seconds']:.0f}s (tokenizer {fig['tokenizer_seconds']:.1f}s, "
+                     f"training {fig['train_seconds']:.0f}s, held-out eval {held.get('seconds', 0):.0f}s)")
+        if fig.get("fastest_steps_per_s"):
+            quiet = fig["total_seconds"] - fig["train_seconds"] + info["recipe"]["steps"] / fig["fastest_steps_per_s"]
+            cpu = (f"training used {fig['train_cpu_seconds']:.0f} CPU-seconds on {fig['threads']} threads; "
+                   if "train_cpu_seconds" in fig else "")
+            lines.append(f"  load average {fig['load_average'][0]} -> {fig['load_average'][1]} (CPUs: {_cpu_count()}); "
+                         f"{cpu}at its fastest interval ({fig['fastest_steps_per_s']:.2f} steps/s) the build would "
+                         f"take {quiet:.0f}s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="draftheads build-verifier", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("build", help="build a recipe (into the cache unless --out; a current cached build is kept)")
+    p = sub.add_parser("path", help="print the cached folder of a recipe, building it first if needed")
+    g = sub.add_parser("generate", help="greedy continuations of prompts (building the recipe first if needed)")
+    g.add_argument("prompts", nargs="+", help="prompt texts; \\n and \\t escapes are expanded")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    for s in (b, p, g):
+        s.add_argument("--recipe", default="default", choices=sorted(RECIPES))
+        s.add_argument("--recipe-json", default=None, help="a whole Recipe as JSON (overrides --recipe)")
+        s.add_argument("--home", default=None, help="cache folder (default $DRAFTHEADS_HOME or ~/.cache/draftheads)")
+    b.add_argument("--out", default=None, help="write the model folder here instead of the cache")
+    b.add_argument("--seed", type=int, default=None, help="default 0 (a cached build of any seed is kept)")
+    b.add_argument("--force", action="store_true", help="rebuild even if the cached build is current")
+    args = parser.parse_args(argv)
+    recipe = Recipe(**json.loads(args.recipe_json)) if args.recipe_json else args.recipe
+    if args.command == "path":
+        print(ensure_built(recipe, home=args.home))
+        return 0
+    if args.command == "generate":
+        prompts = [p.replace("\\n", "\n").replace("\\t", "\t") for p in args.prompts]
+        for prompt, text in zip(prompts, greedy_generate(ensure_built(recipe, home=args.home), prompts,
+                                                         args.max_new_tokens)):
+            print(f"--- {prompt!r}\n{prompt}{text}\n")
+        return 0
+    if args.out:
+        folder = build(recipe, args.out, seed=args.seed or 0)
+    else:
+        folder = ensure_built(recipe, home=args.home, seed=args.seed, force=args.force)
+    print(summary(folder))
+    return 0

@@ -1,0 +1,271 @@
+"""Pretraining the embedded verifier: its data stream, model config, optimizers (Muon + AdamW), the loop,
+and the held-out bits per byte."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from draftheads.models.schedule import warmup_cosine
+from draftheads.models.tiny.recipe import Recipe
+
+
+# ---- small helpers ----------------------------------------------------------------------------------------------------
+def _quiet() -> bool:
+    return os.environ.get("DRAFTHEADS_QUIET", "") not in ("", "0", "false", "False")
+
+
+def _log(msg: str) -> None:
+    if not _quiet():
+        print(f"[tiny] {msg}", file=sys.stderr, flush=True)
+
+
+def _bar(iterable=None, disable: bool = False, **kwargs):
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, disable=disable or _quiet(), dynamic_ncols=True, file=sys.stderr, **kwargs)
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def _load_average() -> float | None:
+    """1-minute load average: recorded with timings, since the build machine may be shared."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def native_bf16() -> bool:
+    """True where this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); bf16 elsewhere is slower than fp32."""
+    cpu = torch.cpu
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def _autocast_dtype(recipe: Recipe) -> torch.dtype | None:
+    if recipe.precision == "bf16" or (recipe.precision == "auto" and native_bf16()):
+        return torch.bfloat16
+    return None
+
+
+def learning_rate(step: int, recipe: Recipe) -> float:
+    """The learning rate at `step`: the project's one warm-up + cosine schedule (models/schedule.py), peak `lr`,
+    reaching the floor lr * min_lr_ratio at step `steps`."""
+    return recipe.lr * warmup_cosine(step, recipe.warmup_steps, recipe.steps, recipe.min_lr_ratio)
+
+
+# ---- data -------------------------------------------------------------------------------------------------------------
+def pack_documents(docs: list[list[int]], eos_id: int) -> torch.Tensor:
+    """One token stream: each document preceded by <|endoftext|>. (N,) int64."""
+    out = []
+    for ids in docs:
+        out.append(eos_id)
+        out.extend(ids)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def training_batches(stream: torch.Tensor, seq_len: int, batch_size: int, steps: int,
+                     seed: int) -> Iterator[torch.Tensor]:
+    """`steps` batches of (B, seq_len + 1) windows of the stream, in a fixed order for a seed.
+
+    Each epoch cuts the stream into non-overlapping windows from a seeded random offset (so window borders move
+    between epochs) and visits them in a seeded random order.
+    """
+    span = seq_len + 1
+    if len(stream) < span * batch_size:
+        raise ValueError(f"the training corpus has {len(stream)} tokens, fewer than one batch "
+                         f"({batch_size} x {span}); use more train_files or a smaller batch")
+    gen = torch.Generator().manual_seed(seed)
+    epoch_windows = torch.empty(0, span, dtype=torch.long)
+    done = 0
+    while done < steps:
+        offset = int(torch.randint(0, seq_len, (1,), generator=gen))
+        n = (len(stream) - offset) // span
+        windows = stream[offset: offset + n * span].view(n, span)  # (n, T+1)
+        windows = torch.cat([epoch_windows, windows[torch.randperm(n, generator=gen)]])
+        while len(windows) >= batch_size and done < steps:
+            yield windows[:batch_size]
+            windows = windows[batch_size:]
+            done += 1
+        epoch_windows = windows  # the remainder carries into the next epoch
+
+
+def eval_windows(docs: list[list[int]], seq_len: int, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every document token as a prediction target exactly once: (inputs, targets), each (W, seq_len).
+
+    A document is [eos] + ids cut into windows of seq_len + 1 tokens that overlap by one; targets past a document's
+    end are -100 (ignored). Context does not cross window borders.
+    """
+    inputs, targets = [], []
+    for ids in docs:
+        seq = [eos_id] + list(ids)
+        for start in range(0, len(seq) - 1, seq_len):
+            chunk = seq[start: start + seq_len + 1]
+            pad = seq_len + 1 - len(chunk)
+            inputs.append(chunk[:-1] + [eos_id] * pad)
+            targets.append(chunk[1:] + [-100] * pad)
+    return torch.tensor(inputs, dtype=torch.long), torch.tensor(targets, dtype=torch.long)
+
+
+@torch.no_grad()
+def bits_per_byte(model, tokenizer, texts: list[str], seq_len: int = 512, batch_size: int = 8,
+                  progress: bool = True) -> dict:
+    """Held-out compression: total nats over the texts' tokens / ln 2 / total UTF-8 bytes, in fp32.
+
+    Returns {"bits_per_byte", "nats_per_token", "tokens", "bytes"}.
+    """
+    docs = [enc.ids for enc in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+    inputs, targets = eval_windows(docs, seq_len, tokenizer.eos_token_id)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    starts = range(0, len(inputs), batch_size)
+    for i in _bar(starts, desc="held-out bits/byte", leave=False, disable=not progress):
+        logits = model(input_ids=inputs[i: i + batch_size]).logits.float()  # (B, T, V)
+        total += F.cross_entropy(logits.flatten(0, 1), targets[i: i + batch_size].flatten(), ignore_index=-100,
+                                 reduction="sum").double()
+    model.train(was_training)
+    n_tokens = sum(len(d) for d in docs)
+    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
+    nats = float(total)
+    return {"bits_per_byte": nats / math.log(2) / n_bytes, "nats_per_token": nats / n_tokens,
+            "tokens": n_tokens, "bytes": n_bytes}
+
+
+# ---- model ------------------------------------------------------------------------------------------------------------
+def model_config(recipe: Recipe, tokenizer):
+    from transformers import LlamaConfig
+
+    eos = tokenizer.eos_token_id
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_kv_heads, head_dim=recipe.hidden_size // recipe.num_heads,
+        max_position_embeddings=recipe.max_position_embeddings, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": recipe.rope_theta},
+        tie_word_embeddings=False, bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        attention_bias=False, mlp_bias=False, initializer_range=recipe.init_std, dtype="float32",
+    )
+
+
+def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
+    """AdamW for everything; or Muon for the decoder layers' matrices and AdamW for embeddings, lm_head and norms.
+
+    Each param group keeps its peak rate in "peak_lr"; the schedule scales it every step.
+    """
+    adamw_kw = dict(betas=(0.9, recipe.beta2), eps=1e-8, foreach=True)
+    layer_mats = [p for n, p in model.named_parameters() if p.ndim == 2 and ".layers." in n]
+    other_mats = [p for n, p in model.named_parameters() if p.ndim == 2 and ".layers." not in n]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    if recipe.optimizer == "adamw":
+        groups = [{"params": layer_mats + other_mats, "weight_decay": recipe.weight_decay},
+                  {"params": vectors, "weight_decay": 0.0}]
+        opts = [torch.optim.AdamW(groups, lr=recipe.lr, **adamw_kw)]
+    else:
+        if not hasattr(torch.optim, "Muon"):
+            raise RuntimeError(f"recipe {recipe.name!r} trains with torch.optim.Muon, which torch {torch.__version__} "
+                               "lacks (added in torch 2.9); upgrade torch")
+        # "match_rms_adamw" scales Muon's orthogonal update to AdamW's size, so one lr serves both
+        muon = torch.optim.Muon(layer_mats, lr=recipe.lr, weight_decay=recipe.weight_decay, momentum=0.95,
+                                nesterov=True, adjust_lr_fn="match_rms_adamw")
+        adamw = torch.optim.AdamW([{"params": other_mats, "weight_decay": recipe.weight_decay},
+                                   {"params": vectors, "weight_decay": 0.0}], lr=recipe.lr, **adamw_kw)
+        opts = [muon, adamw]
+    for opt in opts:
+        for group in opt.param_groups:
+            group["peak_lr"] = group["lr"]
+    return opts
+
+
+@contextlib.contextmanager
+def _deterministic_torch(threads: int):
+    """Fixed thread count and deterministic kernels for the build; the caller's settings come back after."""
+    old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_det)
+
+
+def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> tuple[torch.nn.Module, dict]:
+    """Train the Llama from scratch on the packed stream; returns the model and its training figures."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(model_config(recipe, tokenizer)).train()
+    if recipe.scaled_residual_init:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.normal_(0.0, recipe.init_std / math.sqrt(2 * recipe.num_layers))
+    opts = make_optimizers(model, recipe)
+    amp = _autocast_dtype(recipe)
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(f"model: Llama {recipe.num_layers} layers x {recipe.hidden_size}, {n_params / 1e6:.2f}M params; "
+         f"{recipe.steps} steps x {recipe.batch_size} x {recipe.seq_len} tokens "
+         f"({'bf16 autocast' if amp else 'fp32'}, {torch.get_num_threads()} threads)")
+    losses = torch.zeros(recipe.steps)  # kept on device; read at log points only
+    log_every = max(1, min(25, recipe.steps // 20))
+    bar = _bar(total=recipe.steps, desc=f"training {recipe.name}", unit="step")
+    start = last = time.perf_counter()
+    cpu_start = time.process_time()
+    fastest = 0.0  # best steps/s over one log interval: a hint of the speed without other jobs on the machine
+    load_before = _load_average()
+    curve: list[tuple[int, float]] = []  # (step, mean loss over the last log interval)
+    for step, batch in enumerate(training_batches(stream, recipe.seq_len, recipe.batch_size, recipe.steps, seed)):
+        scale = warmup_cosine(step, recipe.warmup_steps, recipe.steps, recipe.min_lr_ratio)
+        for opt in opts:
+            for group in opt.param_groups:
+                group["lr"] = group["peak_lr"] * scale
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
+        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            logits = model(input_ids=inputs).logits  # (B, T, V)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses[step] = loss.detach()
+        bar.update(1)
+        if (step + 1) % log_every == 0 or step + 1 == recipe.steps:
+            recent = losses[max(0, step + 1 - log_every): step + 1].mean()
+            curve.append((step + 1, round(float(recent), 4)))
+            if not torch.isfinite(recent):
+                raise FloatingPointError(f"recipe {recipe.name!r}: training loss became {float(recent)} at step "
+                                         f"{step + 1}; lower lr")
+            now = time.perf_counter()
+            if step + 1 > log_every:  # the first interval pays one-off warm-up costs
+                fastest = max(fastest, log_every / (now - last))
+            last = now
+            tokens = (step + 1) * recipe.batch_size * recipe.seq_len
+            bar.set_postfix(loss=f"{float(recent):.3f}", tok_s=f"{tokens / (now - start):.0f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    cpu_seconds = time.process_time() - cpu_start
+    tail = max(1, recipe.steps // 20)
+    tokens = recipe.steps * recipe.batch_size * recipe.seq_len
+    return model.eval(), {
+        "params": n_params, "precision": "bf16" if amp else "fp32", "threads": torch.get_num_threads(),
+        "train_tokens": tokens, "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 1),
+        "train_tokens_per_s": round(tokens / seconds, 1), "steps_per_s": round(recipe.steps / seconds, 3),
+        "train_loss": round(float(losses[-tail:].mean()), 4),
+        "fastest_steps_per_s": round(fastest or recipe.steps / seconds, 3),
+        "load_average": [load_before, _load_average()], "loss_curve": curve,
+    }

@@ -1,0 +1,1 @@
+"""End-to-end tests: launchers, faults, builds, families, and the real engines (interop/)."""

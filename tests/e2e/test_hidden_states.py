@@ -1,0 +1,268 @@
+"""The offline hidden-state cache (data/hidden_states.py, written by train/dump_features.py) on a random tiny verifier: offline training equals online
+training step for step (Medusa and EAGLE-3), restart skips finished shards, and every broken cache is refused with
+one clear error naming the file."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftheads.data.hidden_states import CacheError, bytes_per_token, cached_datasets, read_index, verify_shards
+from draftheads.data.hidden_states import main as cache_cli
+from draftheads.models.verifier import Verifier
+from draftheads.train.config import ConfigError, parse_config
+from draftheads.train.dump_features import dump
+from draftheads.train.dump_features import main as cli
+from draftheads.train.features import feature_source
+from tests.utils import free_port, save_tiny_verifier_with_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate")
+
+
+@pytest.fixture(scope="module")
+def verifier_dir(tmp_path_factory):
+    return save_tiny_verifier_with_tokenizer(tmp_path_factory.mktemp("cache-verifier") / "v")
+
+
+@pytest.fixture(scope="module")
+def text_rows(tmp_path_factory):
+    """A small text source: ~30 training rows of 32 tokens and a few held-out ones (seconds, not minutes)."""
+    path = tmp_path_factory.mktemp("cache-data") / "rows.jsonl"
+    lines = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # number {i}\n" * 3} for i in range(14)]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def medusa_args(inputs, output_dir, *extra):
+    verifier_dir, source = inputs  # (verifier folder, data source)
+    return ["--config", str(ROOT / "configs/medusa-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
+            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
+            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=5", "--train.save_every=0",
+            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1",
+            "--medusa.num_heads=2", "--medusa.tree_budget=4", "--medusa.loss=distill", *extra]
+
+
+def eagle3_args(inputs, output_dir, *extra):
+    verifier_dir, source = inputs  # (verifier folder, data source)
+    return ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
+            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
+            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=0",
+            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1",
+            "--train.mixed_precision=no", "--eagle.ttt_steps=2", "--eagle.draft_vocab_size=200",
+            "--eagle.layer_ids=null", *extra]
+
+
+def medusa_cfg(*args):
+    from draftheads.train.medusa import MedusaRunConfig
+
+    return parse_config(MedusaRunConfig, list(args))
+
+
+def eagle_cfg(*args):
+    from draftheads.train.eagle import EagleRunConfig
+
+    return parse_config(EagleRunConfig, list(args))
+
+
+def quiet(*args, **kwargs):
+    pass
+
+
+def losses(run_dir: Path) -> list[dict]:
+    """Every logged loss-like metric per step, from metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if "loss" in k or "acc" in k or "top" in k} for r in records]
+
+
+def assert_same_losses(online: list[dict], offline: list[dict]):
+    assert len(online) == len(offline) and online
+    for a, b in zip(online, offline):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+
+
+def test_medusa_offline_training_equals_online(verifier_dir, text_rows, tmp_path):
+    from draftheads.train.medusa import main
+
+    main(medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "online")))
+    cache = tmp_path / "cache"
+    result = dump(medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "unused")), cache, dtype="float32",
+                  rows_per_shard=3, say=quiet)
+    assert result.written and not result.skipped
+    index = read_index(cache)
+    assert index["method"] == "medusa" and index["layer_ids"] == [] and index["dtype"] == "float32"
+    main(medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "offline", "--features=offline",
+                                 f"--feature_cache={cache}")))
+    assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
+
+
+def test_eagle3_offline_training_equals_online(verifier_dir, text_rows, tmp_path):
+    from draftheads.train.eagle import main
+
+    main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "online")))
+    cache = tmp_path / "cache"
+    dump(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "unused")), cache, dtype="float32", rows_per_shard=4,
+         say=quiet)
+    index = read_index(cache)
+    assert index["method"] == "eagle3" and index["layer_ids"] == [1, 2, 3]  # 4-layer verifier: 1, L//2, L-1
+    main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "offline", "--features=offline",
+                                f"--feature_cache={cache}")))
+    assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
+
+
+def test_eagle1_trains_offline_from_an_eagle3_cache(verifier_dir, text_rows, tmp_path):
+    """A cache with more than a run needs serves it: EAGLE-1 reads `final` of an EAGLE-3 cache (noise included)."""
+    from draftheads.train.eagle import main
+
+    inputs = (verifier_dir, text_rows)
+
+    def eagle1(output_dir, *extra):
+        return [a.replace("eagle3-tiny", "eagle1-tiny") for a in eagle3_args(inputs, output_dir, *extra)
+                if not a.startswith(("--eagle.draft_vocab_size", "--eagle.layer_ids"))]
+
+    main(eagle_cfg(*eagle1(tmp_path / "online")))
+    cache = tmp_path / "cache"
+    dump(eagle_cfg(*eagle3_args(inputs, tmp_path / "unused")), cache, dtype="float32", rows_per_shard=8, say=quiet)
+    main(eagle_cfg(*eagle1(tmp_path / "offline", "--features=offline", f"--feature_cache={cache}")))
+    assert "train/feature_loss" in losses(tmp_path / "offline")[0]  # EAGLE-1's loss parts
+    assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
+
+
+def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_path):
+    cfg = eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "run"))
+    result = dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet)
+    index = read_index(tmp_path / "cache")
+    assert index["dtype"] == "bfloat16"
+    tokens = sum(index["splits"][s]["rows"] for s in ("train", "eval")) * 32
+    assert result.estimate_bytes == bytes_per_token(64, 3, "bfloat16") * tokens
+    assert 1.0 <= result.actual_bytes / result.estimate_bytes < 1.5  # safetensors headers are the difference
+    train, _ = cached_datasets(cfg_with_cache(cfg, tmp_path / "cache"))
+    row = train[0]
+    verifier = Verifier.from_pretrained(verifier_dir)
+    layer_ids = index["layer_ids"]  # the cache's order: stored layer i is layer_ids[i]'s input
+    feats = verifier.features(row["input_ids"][None].long(), row["attention_mask"][None].long(), layer_ids=layer_ids)
+    torch.testing.assert_close(row["final"].float(), feats.final[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(row["layers"][2].float(), feats.layers[2][0], rtol=1e-2, atol=1e-2)
+    loader = torch.utils.data.DataLoader(train, batch_size=2, num_workers=1)  # workers reopen the shards
+    assert torch.equal(next(iter(loader))["final"][0], row["final"])
+
+
+def cfg_with_cache(cfg, folder):
+    cfg.features, cfg.feature_cache = "offline", str(folder)
+    return cfg
+
+
+def test_restart_skips_finished_shards_and_redoes_a_half_written_one(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
+    cache = tmp_path / "cache"
+    first = dump(cfg, cache, rows_per_shard=2, say=quiet)
+    shards = sorted(first.written)
+    assert len(shards) >= 3
+    before = {name: (cache / name).stat().st_mtime_ns for name in shards}
+    victim = shards[1]
+    # A crash after the rename but before the sidecar: the shard is there, but not done (and here also truncated).
+    (cache / victim.replace(".safetensors", ".json")).unlink()
+    data = (cache / victim).read_bytes()
+    (cache / victim).write_bytes(data[: len(data) // 2])
+    (cache / (shards[0] + ".tmp")).write_bytes(b"leftover of a crash")  # a stale tmp file is ignored
+    (cache / "index.json").unlink()
+    second = dump(cfg, cache, rows_per_shard=2, say=quiet)
+    assert second.written == [victim]
+    assert sorted(second.skipped) == sorted(set(shards) - {victim})
+    assert all((cache / n).stat().st_mtime_ns == before[n] for n in shards if n != victim)
+    verify_shards(cache, read_index(cache), check_hash=True)  # the redone shard is whole again
+
+
+def test_restart_with_other_settings_is_refused(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
+    dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet)
+    with pytest.raises(CacheError, match=r"plan\.json.*dtype='bfloat16'.*dtype='float16'"):
+        dump(cfg, tmp_path / "cache", dtype="float16", rows_per_shard=4, say=quiet)
+
+
+def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
+    cache = tmp_path / "cache"
+    dump(cfg, cache, rows_per_shard=4, say=quiet)
+    offline = cfg_with_cache(cfg, cache)
+    shard = cache / "train-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    # Same size, flipped bytes in the tensor data: only the hash sees it.
+    data[-10:] = bytes(b ^ 0xFF for b in data[-10:])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"train-00000\.safetensors: sha256 differs"):
+        verify_shards(cache, read_index(cache), check_hash=True)
+    assert cache_cli(["verify", str(cache)]) == 2
+    # Truncated: the size check on every training start sees it.
+    shard.write_bytes(bytes(data[:-100]))
+    with pytest.raises(CacheError, match=r"train-00000\.safetensors: \d+ bytes, index\.json records"):
+        cached_datasets(offline)
+    # A mangled header with the recorded size.
+    data[8:40] = b"x" * 32
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CacheError, match=r"train-00000\.safetensors: unreadable safetensors header"):
+        cached_datasets(offline)
+    shard.unlink()
+    with pytest.raises(CacheError, match=r"train-00000\.safetensors: shard missing"):
+        cached_datasets(offline)
+
+
+def test_wrong_verifier_wrong_data_and_missing_layers_are_refused(verifier_dir, text_rows, tmp_path):
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
+    cache = tmp_path / "cache"
+    dump(cfg, cache, rows_per_shard=4, say=quiet)
+    other = Verifier.from_pretrained(save_tiny_verifier_with_tokenizer(tmp_path / "other", seed=1))
+    offline = cfg_with_cache(cfg, cache)
+    with pytest.raises(CacheError, match=r"index\.json: the cache was dumped from verifier .* fingerprint="):
+        feature_source(offline, other)
+    with pytest.raises(ConfigError, match=r"holds layers \[\].*needs layers \[1, 2, 3\]"):
+        feature_source(offline, Verifier.from_pretrained(verifier_dir), layer_ids=[1, 2, 3])
+    offline.data.seq_len = 64
+    with pytest.raises(CacheError, match=r"index\.json: the cache holds rows built with data\.seq_len=32"):
+        cached_datasets(offline)
+    with pytest.raises(CacheError, match=r"index\.json: no such file"):
+        read_index(tmp_path / "nowhere")
+
+
+def test_cli_dump_and_verify(verifier_dir, text_rows, tmp_path, capsys):
+    args = medusa_args((verifier_dir, text_rows), tmp_path / "run")
+    assert cli(["dump", *args, "--out", str(tmp_path / "cache"), "--rows_per_shard=4"]) == 0
+    out = capsys.readouterr().out
+    assert "estimated" in out and "on disk" in out
+    assert cache_cli(["verify", str(tmp_path / "cache")]) == 0
+    assert cli(["dump", *args, "--method", "eagle3", "--out", str(tmp_path / "c2")]) == 2  # an EAGLE config needed
+    assert "medusa" in capsys.readouterr().err  # the EAGLE config class has no medusa section
+
+
+def test_two_processes_split_the_shards(verifier_dir, text_rows, tmp_path):
+    """torchrun with two CPU processes: shard i by process i % 2, one index, the same bytes as one process."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["dump", *eagle3_args((verifier_dir, text_rows), tmp_path / "run"), "--rows_per_shard=4"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "ACCELERATE_USE_CPU": "true",
+           "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run([str(torchrun), "--nproc_per_node=2", f"--master_port={free_port()}", "-m",
+                             "draftheads.train.dump_features", *args,
+                             "--out", str(tmp_path / "two")], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("estimated") == 1  # the main process speaks
+    assert cli([*args, "--out", str(tmp_path / "one")]) == 0
+    two, one = read_index(tmp_path / "two"), read_index(tmp_path / "one")
+    from safetensors.torch import load_file
+
+    strip = lambda index: {s: [(m["file"], m["rows"], m["bytes"]) for m in index["splits"][s]["shards"]]  # noqa
+                           for s in index["splits"]}
+    assert strip(two) == strip(one)  # (the sha256 differ: safetensors writes the metadata dict in any order)
+    for split in two["splits"].values():
+        for meta in split["shards"]:
+            a, b = load_file(tmp_path / "two" / meta["file"]), load_file(tmp_path / "one" / meta["file"])
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

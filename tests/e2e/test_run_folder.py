@@ -1,0 +1,119 @@
+"""A run folder belongs to one run (train/run_folder.py): a rerun continues only the run it holds, starting over
+moves the earlier run aside instead of mixing the two, one run holds a folder at a time, and the drafter is
+readable by other users."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+
+from draftheads.train.checkpoint import complete_checkpoints
+from draftheads.train.config import ConfigError, RunConfig, WandbConfig
+from tests.e2e.test_train_eagle import (
+    records,
+    run,
+    tiny_args,
+    verifier_dirs,  # noqa: F401  (the module's fixture)
+)
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
+
+
+def claim(folder, **train):
+    from draftheads.train.config import TrainConfig
+    from draftheads.train.tracking import build_accelerator
+    from tests.utils import reset_accelerate
+
+    reset_accelerate()
+    return build_accelerator(RunConfig(output_dir=str(folder), wandb=WandbConfig(enabled=False),
+                                       train=TrainConfig(**{"max_steps": 10, "warmup_steps": 1, **train})))
+
+
+def test_a_rerun_with_other_settings_stops_before_loading_anything(tmp_path, verifier_dirs, monkeypatch):
+    from draftheads.train import eagle as train_eagle
+
+    out = tmp_path / "run"
+    run(*tiny_args(verifier_dirs["llama"], out, 1))
+    before = (out / "drafter" / "model.safetensors").read_bytes(), len(records(out))
+    monkeypatch.setattr(train_eagle, "load_verifier", lambda *a, **k: pytest.fail("loaded the verifier"))
+    with pytest.raises(ConfigError, match=r"holds another run \(its settings differ: train.lr: 0.006 -> 0.001\)\. "
+                                          r"Use another output_dir, or --train.resume=none"):
+        run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.lr=0.001"))
+    assert ((out / "drafter" / "model.safetensors").read_bytes(), len(records(out))) == before
+    # settings that do not change the result may differ: the run continues (here: finished, nothing to train)
+    monkeypatch.undo()
+    assert run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.log_every=3", "--engine=sglang"))["steps"] == 4
+
+
+def test_starting_over_moves_the_earlier_run_aside(tmp_path, verifier_dirs):
+    out = tmp_path / "run"
+    run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.max_steps=6"))  # checkpoints at 4 and 6
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000004", "step-000006"]
+    run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.max_steps=2", "--train.resume=none"))
+    # the new run's checkpoint stands (not pruned against the older, longer run's), the old run is kept aside
+    assert [p.name for p in complete_checkpoints(out)] == ["step-000002"]
+    previous = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert len(previous) == 1 and [p.name for p in complete_checkpoints(previous[0])] == ["step-000004", "step-000006"]
+    assert (previous[0] / "drafter" / "model.safetensors").is_file()
+    assert json.loads((out / "drafter" / "config.json").read_text())["draftheads"]["training"]["steps"] == 2
+    # a later default rerun of the new settings continues the new run, not the old one
+    assert run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.max_steps=2"))["steps"] == 2
+    with pytest.raises(ConfigError, match="train.max_steps: 2 -> 6"):
+        run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.max_steps=6"))
+
+
+def test_a_bad_resume_path_stops_at_once(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.resume='.*nope': not a complete checkpoint folder"):
+        claim(tmp_path / "run", resume=str(tmp_path / "nope"))
+
+
+def test_one_run_per_folder_and_a_stale_lock_is_taken_over(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); fcntl.flock(f, fcntl.LOCK_EX); f.write('pid 4242 on "
+        "elsewhere'); f.flush(); print('locked', flush=True); time.sleep(60)"), str(folder / ".lock")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=r"is in use by another run \(pid 4242 on elsewhere\)"):
+            claim(folder)
+    finally:
+        holder.kill()
+        holder.wait()
+    # killed (as by kill -9): its lock went with it; the next run takes the folder
+    claim(folder)
+    assert f"pid {os.getpid()}" in (folder / ".lock").read_text()
+
+
+def test_output_dir_that_is_a_file_or_read_only(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file; expected a folder"):
+        claim(tmp_path / "file")
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permissions: nothing to check here
+            pytest.skip("running as a user that can write anywhere")
+        with pytest.raises(ConfigError, match="is not writable"):
+            claim(locked)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_the_exported_drafter_is_readable_by_others(tmp_path, verifier_dirs):
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "run"
+        run(*tiny_args(verifier_dirs["llama"], out, 1, "--train.max_steps=2"))
+    finally:
+        os.umask(old)
+    for path in [out / "drafter", *(out / "drafter").iterdir()]:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode & 0o044 == 0o044, (path, oct(mode))  # group and others may read (and list the folder)
+    assert time.time() - (out / "drafter").stat().st_mtime < 600
