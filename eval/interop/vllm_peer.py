@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: eval/interop/ -> eval/ -> the root
 
 
 class VllmUnavailable(RuntimeError):

@@ -51,7 +51,7 @@ def _cpu_name() -> str:
 
 
 def _git_commit() -> str | None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # the checkout (eval/measure/ -> eval/ -> the root)
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                              timeout=5)
