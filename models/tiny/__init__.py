@@ -23,15 +23,15 @@ loss ~0.5 nats/token lower than AdamW here, for ~10% more time per step.
 #: `python -m draftheads.models.tiny` can set OpenMP's wait policy before anything imports torch
 #: (models/tiny/__main__.py).
 _EXPORTS = {
-    "BUILDER_VERSION": "recipe", "BUILD_INFO": "recipe", "CHAT_TEMPLATE": "recipe", "EOS": "recipe", "IM_END":
-    "recipe", "IM_START": "recipe", "PRETOKENIZE_PATTERN": "recipe", "Precision": "recipe", "RECIPES": "recipe",
-    "Recipe": "recipe", "SPECIAL_TOKENS": "recipe", "get_recipe": "recipe",
+    "BUILDER_VERSION": "recipe", "BUILD_INFO": "recipe", "CHAT_TEMPLATE": "recipe", "EOS": "recipe",
+    "IM_END": "recipe", "IM_START": "recipe", "PRETOKENIZE_PATTERN": "recipe", "Precision": "recipe",
+    "RECIPES": "recipe", "Recipe": "recipe", "SPECIAL_TOKENS": "recipe", "get_recipe": "recipe",
     "train_tokenizer": "tokenizer",
-    "bits_per_byte": "pretrain", "eval_windows": "pretrain", "learning_rate": "pretrain", "make_optimizers":
-    "pretrain", "model_config": "pretrain", "native_bf16": "pretrain", "pack_documents": "pretrain", "train_model":
-    "pretrain", "training_batches": "pretrain",
-    "build": "cache", "cache_home": "cache", "ensure_built": "cache", "is_current": "cache", "read_build_info":
-    "cache",
+    "bits_per_byte": "pretrain", "compute_dtype": "pretrain", "eval_windows": "pretrain", "learning_rate": "pretrain",
+    "make_optimizers": "pretrain", "model_config": "pretrain", "native_bf16": "pretrain",
+    "pack_documents": "pretrain", "train_model": "pretrain", "training_batches": "pretrain",
+    "build": "cache", "cache_home": "cache", "ensure_built": "cache", "is_current": "cache",
+    "read_build_info": "cache",
     "greedy_generate": "cli", "main": "cli", "summary": "cli",
 }
 

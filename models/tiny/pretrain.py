@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from draftheads.models.schedule import warmup_cosine
+from draftheads.models.tiny.muon import Muon
 from draftheads.models.tiny.recipe import Recipe
 
 
@@ -55,10 +56,17 @@ def native_bf16() -> bool:
     return any(getattr(cpu, name, lambda: False)() for name in checks)
 
 
-def _autocast_dtype(recipe: Recipe) -> torch.dtype | None:
+def compute_dtype(recipe: Recipe) -> torch.dtype:
+    """The build's low-precision dtype, chosen per machine: bf16 where the CPU has it natively (autocast and Muon's
+    orthogonalisation in bf16, torch's own choices), fp32 elsewhere (emulated bf16 is ~10x slower than fp32 there).
+    `recipe.precision` "bf16" / "fp32" forces it."""
     if recipe.precision == "bf16" or (recipe.precision == "auto" and native_bf16()):
         return torch.bfloat16
-    return None
+    return torch.float32
+
+
+def _autocast_dtype(recipe: Recipe) -> torch.dtype | None:
+    return torch.bfloat16 if compute_dtype(recipe) == torch.bfloat16 else None
 
 
 def learning_rate(step: int, recipe: Recipe) -> float:
@@ -179,8 +187,8 @@ def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
             raise RuntimeError(f"recipe {recipe.name!r} trains with torch.optim.Muon, which torch {torch.__version__} "
                                "lacks (added in torch 2.9); upgrade torch")
         # "match_rms_adamw" scales Muon's orthogonal update to AdamW's size, so one lr serves both
-        muon = torch.optim.Muon(layer_mats, lr=recipe.lr, weight_decay=recipe.weight_decay, momentum=0.95,
-                                nesterov=True, adjust_lr_fn="match_rms_adamw")
+        muon = Muon(layer_mats, ns_dtype=compute_dtype(recipe), lr=recipe.lr, weight_decay=recipe.weight_decay,
+                    momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
         adamw = torch.optim.AdamW([{"params": other_mats, "weight_decay": recipe.weight_decay},
                                    {"params": vectors, "weight_decay": 0.0}], lr=recipe.lr, **adamw_kw)
         opts = [muon, adamw]
@@ -219,7 +227,7 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
     n_params = sum(p.numel() for p in model.parameters())
     _log(f"model: Llama {recipe.num_layers} layers x {recipe.hidden_size}, {n_params / 1e6:.2f}M params; "
          f"{recipe.steps} steps x {recipe.batch_size} x {recipe.seq_len} tokens "
-         f"({'bf16 autocast' if amp else 'fp32'}, {torch.get_num_threads()} threads)")
+         f"({'bf16 autocast and Muon' if amp else 'fp32, Muon included'}, {torch.get_num_threads()} threads)")
     losses = torch.zeros(recipe.steps)  # kept on device; read at log points only
     log_every = max(1, min(25, recipe.steps // 20))
     bar = _bar(total=recipe.steps, desc=f"training {recipe.name}", unit="step")
@@ -262,7 +270,8 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
     tail = max(1, recipe.steps // 20)
     tokens = recipe.steps * recipe.batch_size * recipe.seq_len
     return model.eval(), {
-        "params": n_params, "precision": "bf16" if amp else "fp32", "threads": torch.get_num_threads(),
+        "params": n_params, "precision": "bf16" if amp else "fp32", "native_bf16": native_bf16(),
+        "threads": torch.get_num_threads(),
         "train_tokens": tokens, "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 1),
         "train_tokens_per_s": round(tokens / seconds, 1), "steps_per_s": round(recipe.steps / seconds, 3),
         "train_loss": round(float(losses[-tail:].mean()), 4),
