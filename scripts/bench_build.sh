@@ -11,9 +11,9 @@ recipe=${1:-micro}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 echo "[bench_build] recipe $recipe, $(nproc) CPUs; builds in $out"
-draftheads build-verifier --recipe "$recipe" --out "$out/native" > "$out/native.log"
+draftheads build-verifier --recipe "$recipe" --out "$out/native" > "$out/native.log" 2>&1
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 draftheads build-verifier --recipe "$recipe" --out "$out/avx2" \
-  > "$out/avx2.log"
+  > "$out/avx2.log" 2>&1
 python - "$out" <<'PY'
 import json, sys
 from pathlib import Path
