@@ -57,9 +57,10 @@ def summary(folder: str | Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="draftheads build-verifier", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m draftheads.models.tiny", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("build", help="build a recipe (into the cache unless --out; a current cached build is kept)")
+    b = sub.add_parser("build", prog="draftheads build-verifier",  # the verb runs this subcommand
+                       help="build a recipe (into the cache unless --out; a current cached build is kept)")
     p = sub.add_parser("path", help="print the cached folder of a recipe, building it first if needed")
     g = sub.add_parser("generate", help="greedy continuations of prompts (building the recipe first if needed)")
     g.add_argument("prompts", nargs="+", help="prompt texts; \\n and \\t escapes are expanded")
