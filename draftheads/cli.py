@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import sys
 
-#: verb -> (one line for the overview, the function that runs it with the verb's arguments)
-VERBS: dict[str, tuple[str, str]] = {
-    "train": ("train a drafter: `draftheads train medusa|eagle --config FILE [--key=value ...]`", "_train"),
-    "eval": ("measure drafters beside plain decoding: tau, per-position acceptance, speedup", "_eval"),
-    "tune": ("choose the method and draft length from measurements; print the engines' settings", "_tune"),
-    "recheck": ("re-check a results.json: every greedy output equals plain greedy decoding", "_recheck"),
-    "serve-check": ("load a drafter in real vLLM, decode with it and with our engine, and compare", "_serve_check"),
-    "regenerate": ("self-distillation data: the verifier rewrites a source's answers", "_regenerate"),
-    "dump-features": ("fill an offline hidden-state cache for a training run", "_dump_features"),
-    "cache": ("check a hidden-state cache: `draftheads cache verify DIR`", "_cache"),
-    "build-verifier": ("build the embedded default verifier (tiny-code, tiny-micro) into the cache", "_build_verifier"),
+#: verb -> (one line for the overview, the module whose `main(argv)` runs it; None: a function of this file)
+VERBS: dict[str, tuple[str, str | None]] = {
+    "train": ("train a drafter: `draftheads train medusa|eagle --config FILE [--key=value ...]`", None),
+    "eval": ("measure drafters beside plain decoding: tau, per-position acceptance, speedup",
+             "draftheads.eval.__main__"),
+    "tune": ("choose the method and draft length from measurements; print the engines' settings",
+             "draftheads.eval.measure.tune"),
+    "recheck": ("re-check a results.json: every greedy output equals plain greedy decoding",
+                "draftheads.eval.measure.recheck"),
+    "serve-check": ("load a drafter in real vLLM, decode with it and with our engine, and compare",
+                    "draftheads.eval.interop.serve_check"),
+    "regenerate": ("self-distillation data: the verifier rewrites a source's answers", "draftheads.train.regenerate"),
+    "dump-features": ("fill an offline hidden-state cache for a training run", "draftheads.train.dump_features"),
+    "cache": ("check a hidden-state cache: `draftheads cache verify DIR`", "draftheads.data.hidden_states"),
+    "build-verifier": ("build the embedded default verifier (tiny-code, tiny-micro) into the cache", None),
 }
 TRAINERS = ("medusa", "eagle")
 
@@ -45,48 +49,6 @@ def _train(argv: list[str]) -> int:
         from draftheads.train.eagle import EagleRunConfig as cls, main
     main_guard(main, cls, argv[1:], prog=f"draftheads train {argv[0]}")
     return 0
-
-
-def _eval(argv):
-    from draftheads.eval.__main__ import main
-
-    return main(argv)
-
-
-def _tune(argv):
-    from draftheads.eval.measure.tune import main
-
-    return main(argv)
-
-
-def _recheck(argv):
-    from draftheads.eval.measure.recheck import main
-
-    return main(argv)
-
-
-def _serve_check(argv):
-    from draftheads.eval.interop.serve_check import main
-
-    return main(argv)
-
-
-def _regenerate(argv):
-    from draftheads.train.regenerate import main
-
-    return main(argv) or 0
-
-
-def _dump_features(argv):
-    from draftheads.train.dump_features import main
-
-    return main(argv)
-
-
-def _cache(argv):
-    from draftheads.data.hidden_states import main
-
-    return main(argv)
 
 
 def _build_verifier(argv):
@@ -119,7 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     if verb not in VERBS:
         print(f"draftheads: unknown verb {verb!r}; expected one of {', '.join(VERBS)}", file=sys.stderr)
         return 2
-    return globals()[VERBS[verb][1]](rest)
+    if verb == "train":
+        return _train(rest)
+    if verb == "build-verifier":
+        return _build_verifier(rest)
+    import importlib  # each verb imports only its own module: `draftheads --help` stays instant
+
+    return importlib.import_module(VERBS[verb][1]).main(rest) or 0
 
 
 if __name__ == "__main__":

@@ -21,7 +21,11 @@ from tests.utils import FAMILIES, save_tiny_verifier  # noqa: E402
 
 def pytest_sessionstart(session):
     """What tests import lazily, imported once up front: a unit test's CPU budget is its own work, not a first
-    import of transformers' model classes or of the trainers."""
+    import of transformers' model classes or of the trainers. Only where tests run: not in pytest-xdist's
+    controller, which hands them to its workers."""
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
     from transformers.models import llama, mistral, qwen2  # noqa: F401
