@@ -176,14 +176,64 @@ def check_verifier(index: dict, verifier, folder: str | os.PathLike) -> None:
 
 
 def check_data(index: dict, cfg, folder: str | os.PathLike) -> None:
-    """The cached rows must be the rows this run would build: same data settings and seed."""
+    """The cached rows must be the rows this run would build: same data settings and seed (the source compared by
+    content when the cache records it: `check_for_run`)."""
     mine = data_signature(cfg)
+    by_content = bool((index.get("inputs") or {}).get("data"))
     for key, value in mine.items():
+        if key == "source" and by_content:
+            continue
         if index["data"].get(key) != value:
             name = "train.seed" if key == "seed" else f"data.{key}"
             raise CacheError(
                 f"{Path(folder) / 'index.json'}: the cache holds rows built with {name}={index['data'].get(key)!r}, "
                 f"this run has {name}={value!r}; set it to the cache's value or dump again with this config")
+
+
+def check_for_run(index: dict, cfg, folder: str | os.PathLike, verifier: dict, known: dict | None = None) -> dict:
+    """Everything a training run checks about its cache before anything is loaded (train/run_folder.py): the data
+    settings and seed, the verifier's dtype, and the contents the dump read: the verifier's files (`verifier`, the
+    run's `{"files", "digest"}` of its verifier folder) and the data source's files as they are now. Returns the
+    run's data inputs (as `data.identity.data_inputs`; the cache's own record when the source is gone: the cache is
+    then all there is of it). Raises CacheError naming the file and what changed."""
+    from draftheads.data.identity import changes, summarize
+
+    where = Path(folder) / "index.json"
+    check_data(index, cfg, folder)
+    if index.get("verifier_dtype") not in (None, cfg.verifier_dtype):
+        raise CacheError(f"{where}: the cache holds features of the verifier run in {index['verifier_dtype']} "
+                         f"(verifier_dtype={index['verifier_dtype']}), this run has verifier_dtype="
+                         f"{cfg.verifier_dtype}; set verifier_dtype={index['verifier_dtype']} or dump again with "
+                         "this config")
+    stored = index.get("inputs") or {}
+    theirs = stored.get("verifier") or {}
+    if theirs.get("files") and theirs.get("digest") != verifier.get("digest"):
+        changed = changes(theirs["files"], verifier["files"])
+        raise CacheError(f"{where}: the cache was dumped from verifier {index['verifier'].get('name')!r}, and the "
+                         f"verifier {cfg.verifier!r} differs from it: {summarize(changed) or 'other contents'}; dump "
+                         "the cache again with this verifier")
+    from draftheads.data.config import DataError
+    from draftheads.data.identity import data_inputs
+
+    if not stored.get("data"):
+        try:
+            return data_inputs(cfg.data, known)
+        except DataError:
+            return {}
+    try:
+        mine = data_inputs(cfg.data, known if known else {k: stored[k] for k in ("data", "chat_template")
+                                                          if k in stored})
+    except DataError:  # the source is gone: the cache holds its rows
+        return {k: stored[k] for k in ("data", "chat_template") if k in stored}
+    for key, name in (("data", "data.source"), ("chat_template", "data.chat_template")):
+        a, b = stored.get(key), mine.get(key)
+        if (a or {}).get("digest") != (b or {}).get("digest"):
+            changed = changes((a or {}).get("files") or {}, (b or {}).get("files") or {})
+            raise CacheError(f"{where}: the cache holds rows of {name}={(a or {}).get('source')!r} as it was when "
+                             f"dumped; {name}={(b or {}).get('source')!r} now differs: "
+                             f"{summarize(changed) or 'other contents'}; dump the cache again (the rows it holds "
+                             "are not this data's)")
+    return mine
 
 
 class CachedRows(torch.utils.data.Dataset):

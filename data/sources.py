@@ -380,6 +380,26 @@ def load_source(source: str, format: str = "auto", strict: bool = False, num_pro
     return ds
 
 
+def source_files(source: str) -> tuple[Path, list[str]] | None:
+    """The files a source reads, as (root, names relative to it): a file, every data file of a folder (as
+    `load_source` takes them), or the stdlib files of the split(s) it trains and holds out on. None for `hf:`
+    sources, which the hub names by dataset and split. Raises DataError for a path that does not exist."""
+    if source == "stdlib" or source.startswith("stdlib:"):
+        _, _, split = source.partition(":")
+        root = stdlib_root()
+        files = stdlib_files("drafter") + stdlib_files("eval") if not split else stdlib_files(split)
+        return root, [p.relative_to(root).as_posix() for p in files]
+    if source.startswith("hf:"):
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise DataError(f"data.source={source!r}: no such file or folder (expected stdlib, a .json/.jsonl/"
+                        ".txt/.py/.md file, a folder of them, or hf:<dataset name>[:<split>])")
+    if path.is_file():
+        return path.parent, [path.name]
+    return path, [p.relative_to(path).as_posix() for p in _files_of(path)]
+
+
 def train_and_heldout(cfg: DataConfig, seed: int = 0) -> tuple[datasets.Dataset, datasets.Dataset]:
     """Source rows for training (shuffled by `seed`, at most `max_rows`) and held out (fixed, not seed-dependent).
 

@@ -31,6 +31,7 @@ values are YAML: 3, true, [3, 2, 1], [[0], [1], [0, 0]]):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -161,6 +162,17 @@ def check_draft_tokenizer(specs, tokenizer) -> None:
                              f"{len(tokenizer)} tokens); a draft model must use the verifier's tokenizer")
 
 
+def draft_digest(draft) -> str | None:
+    """A drafter folder by content (data/identity.py): what results.json records of each --draft."""
+    if not isinstance(draft, str) or not Path(draft).is_dir():
+        return None
+    from draftheads.data.identity import digest, files_record
+
+    folder = Path(draft)
+    return digest(files_record(folder, [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+                                        if p.is_file() and not p.name.startswith(".")]))
+
+
 def check_args(args) -> None:
     """Every flag in range and the output folder writable, before anything is loaded or decoded."""
     positive = {"--max-new-tokens": args.max_new_tokens, "--batch-size": args.batch_size, "--repeats": args.repeats}
@@ -180,10 +192,20 @@ def check_args(args) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
         raise UsageError(f"--out {args.out}: a file is in the way; expected a folder (or a path to create)") from None
-    except PermissionError:
-        raise UsageError(f"--out {args.out}: cannot create it (permission denied)") from None
+    except OSError as err:
+        raise UsageError(f"--out {args.out}: cannot create it ({err.strerror or err})") from None
     if not os.access(out, os.W_OK | os.X_OK):
         raise UsageError(f"--out {args.out}: not writable by this user; the results would be lost at the end")
+    args.wandb_mode = None
+    if args.wandb:  # no API key, no network, a read-only HOME: settled now, not after the run
+        from draftheads.eval.measure.wandb_check import TrackingError, prepare_wandb
+
+        try:
+            args.wandb_mode, notes = prepare_wandb("auto", out, "WANDB_MODE")
+        except TrackingError as err:
+            raise UsageError(str(err)) from None
+        for note in notes:
+            print(note, file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,10 +217,40 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     def checked_run():
-        check_args(args)
-        return run(args, argv)
+        with held_out_folder(args.out):
+            check_args(args)
+            return run(args, argv)
 
     return report_errors(checked_run)
+
+
+@contextlib.contextmanager
+def held_out_folder(out: str):
+    """One eval per `--out` at a time: its lock (models/atomic.py, as a run folder's) held for the run, and a second
+    eval into it refused in one line. An --out this eval created and left empty (an error, a Ctrl-C before the results
+    were written) is removed again."""
+    from draftheads.models.atomic import LOCK_FILE, FolderInUse, lock_folder, unlock_folder
+
+    folder = Path(out)
+    created = not folder.exists()
+    try:
+        yield_lock = False
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock_folder(folder)
+            yield_lock = True
+        except FolderInUse as err:
+            raise UsageError(f"--out {out} is in use by another eval ({err.holder}); wait for it to end or use "
+                             "another --out (nothing of the other eval was touched)") from None
+        except OSError:  # a file in the way, a folder that cannot be made: check_args names it
+            pass
+        yield
+    finally:
+        if yield_lock:
+            unlock_folder(folder)
+        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+            (folder / LOCK_FILE).unlink(missing_ok=True)
+            folder.rmdir()
 
 
 def run(args, argv=None) -> int:
@@ -239,11 +291,14 @@ def run(args, argv=None) -> int:
         f"{torch.get_num_threads()} torch thread(s)")
     runs = run_methods(verifier, specs, prompts, settings, dtype=dtype)
 
+    content = verifier.content()
     config = {"command": command_line(sys.argv[1:] if argv is None else list(argv)),
-              "verifier": args.verifier, "verifier_fingerprint": verifier.fingerprint, "prompts": args.prompts,
+              "verifier": args.verifier, "verifier_fingerprint": verifier.fingerprint,
+              "verifier_digest": content["digest"] if content else None,
+              "verifier_files": content["files"] if content else None, "prompts": args.prompts,
               "num_prompts": len(prompts), "settings": vars(settings),
               "methods": [{"label": s.label, "method": s.method, "draft": str(s.draft) if s.draft else None,
-                           "options": s.options} for s in specs],
+                           "draft_digest": draft_digest(s.draft), "options": s.options} for s in specs],
               "args": vars(args)}
     results = build_results(runs, config, environment(device, dtype), primary=primary)
     results["wall_time_s"] = round(time.perf_counter() - started, 1)
@@ -251,7 +306,7 @@ def run(args, argv=None) -> int:
     print(summary_table(results["summary"]))
     print(f"\nwrote {paths['results']}, {paths['report']} and {len(paths) - 2} plots")
     if args.wandb:
-        folder = log_wandb(results, args.out, project=args.wandb_project)
+        folder = log_wandb(results, args.out, project=args.wandb_project, mode=args.wandb_mode)
         print(f"wandb: logged to {folder}")
     return 0
 

@@ -140,3 +140,52 @@ def atomic_dir(folder: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# ---- one writer per folder -------------------------------------------------------------------------------------------
+LOCK_FILE = ".lock"
+_held: dict[str, object] = {}  # folder -> this process's open lock file (the lock lives as long as the handle)
+
+
+class FolderInUse(RuntimeError):
+    """Another process holds the folder's lock; `holder` is what it wrote there (pid, host, since when)."""
+
+    def __init__(self, folder: Path, holder: str):
+        super().__init__(f"{folder} is in use by another process ({holder})")
+        self.folder, self.holder = folder, holder
+
+
+def lock_folder(folder: str | os.PathLike) -> None:
+    """Take `folder`'s lock (an exclusive fcntl lock on `{folder}/.lock`) until `unlock_folder` or the end of the
+    process, however it ends (a lock left by a killed process is simply free again), and write this process's pid,
+    host and start time there; FolderInUse when another process holds it. A process that holds it already keeps it.
+    (On a shared filesystem the lock is as good as its fcntl locks; NFS v4 and Lustre honour them.) The run folders
+    of the trainers and the `--out` of `draftheads eval` are held this way."""
+    import fcntl
+    import socket
+    import time
+
+    folder = Path(folder)
+    key = str(folder.resolve())
+    if key in _held:
+        return
+    handle = open(folder / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise FolderInUse(folder, holder) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _held[key] = handle
+
+
+def unlock_folder(folder: str | os.PathLike) -> None:
+    """Give `folder`'s lock back (no-op when this process does not hold it)."""
+    handle = _held.pop(str(Path(folder).resolve()), None)
+    if handle is not None:
+        handle.close()

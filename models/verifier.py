@@ -92,6 +92,26 @@ def _download(repo_id: str) -> Path:
         ) from None
 
 
+#: What a verifier folder is made of: the files transformers reads (weights, config, tokenizer, chat template), the
+#: patterns the hub download fetches. `draftheads_build.json` (the embedded verifier's build log) is not read.
+CONTENT_SUFFIXES = (".safetensors", ".json", ".model", ".txt", ".tiktoken", ".jinja")
+
+
+def content_files(folder: str | os.PathLike) -> list[str]:
+    """Names of the files a verifier folder is made of (see CONTENT_SUFFIXES), sorted."""
+    return sorted(p.name for p in Path(folder).iterdir() if p.is_file() and p.suffix in CONTENT_SUFFIXES
+                  and not p.name.startswith((".", "draftheads")))
+
+
+def folder_content(folder: str | os.PathLike, known: dict | None = None) -> dict:
+    """{"digest", "files"}: a verifier folder by content (data/identity.py); `known` (an earlier record's "files")
+    skips re-reading files whose size and mtime are unchanged."""
+    from draftheads.data.identity import digest, files_record
+
+    files = files_record(folder, content_files(folder), known)
+    return {"digest": digest(files), "files": files}
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
@@ -198,8 +218,10 @@ class Verifier(nn.Module):
         folder = resolve_verifier(name_or_path)
         try:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        except ValueError as err:
-            raise VerifierError(f"verifier folder {str(folder)!r}: cannot read config.json ({err})") from None
+        except (ValueError, OSError) as err:  # transformers raises OSError for a config.json that is not JSON
+            raise VerifierError(f"verifier folder {str(folder)!r}: cannot read config.json "
+                                f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})"
+                                ) from None
         kwargs = {"dtype": _dtype(dtype)} if _dtype(dtype) is not None else {}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
@@ -265,6 +287,11 @@ class Verifier(nn.Module):
         """What a drafter stores about its verifier (and checks on load)."""
         return {"name": self.name, "fingerprint": self.fingerprint,
                 **{k: getattr(self.config, k) for k in SHAPE_FIELDS}}
+
+    def content(self, known: dict | None = None) -> dict | None:
+        """{"digest", "files"} of the folder the verifier was loaded from (None for a model built in memory); `known`:
+        an earlier record's "files", trusted for files whose size and mtime are unchanged."""
+        return folder_content(self.path, known) if self.path is not None else None
 
     def default_eagle3_layers(self) -> list[int]:
         """vLLM's default EAGLE-3 feature layers: the inputs of layers 2, L//2 and L-3. Below 7 layers those repeat
@@ -339,9 +366,26 @@ def check_drafter_matches(stored: dict, verifier: Verifier, drafter_path: str | 
                 f"drafter {str(drafter_path)!r} was trained for a verifier with {key}={stored[key]}, but verifier "
                 f"{verifier.name!r} has {key}={mine[key]}"
             )
-    if check_fingerprint and stored.get("fingerprint") and stored["fingerprint"] != mine["fingerprint"]:
+    if not check_fingerprint:
+        return
+    if stored.get("fingerprint") and stored["fingerprint"] != mine["fingerprint"]:
         raise VerifierError(
             f"drafter {str(drafter_path)!r} was trained for verifier {stored.get('name')!r} (fingerprint "
             f"{stored['fingerprint']}), but verifier {verifier.name!r} has fingerprint {mine['fingerprint']}; "
             "pass the verifier it was trained on (or check_fingerprint=False if you know the weights are the same)"
         )
+    check_content(stored.get("files"), verifier, f"drafter {str(drafter_path)!r}", "trained on",
+                  "pass the verifier it was trained on, or train the drafter again on this one")
+
+
+def check_content(stored_files: dict | None, verifier: Verifier, what: str, relation: str, fix: str) -> None:
+    """Refuse a verifier whose files differ from those `what` records (`stored_files`, a content record), naming
+    the files. Nothing to compare (no record, a verifier built in memory): no check."""
+    from draftheads.data.identity import changes, summarize
+
+    if not stored_files or verifier.path is None:
+        return
+    changed = changes(stored_files, verifier.content(known=stored_files)["files"])
+    if changed:
+        raise VerifierError(
+            f"verifier {verifier.name!r} is not the one {what} was {relation}: {summarize(changed)}; {fix}")

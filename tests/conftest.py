@@ -68,6 +68,7 @@ XDIST_GROUPS = {
     "launch": ("/test_multiprocess.py::", "/test_fsdp.py::", "::test_two_processes",
                "test_hidden_states.py::test_two_processes_split_the_shards"),
     "interop": ("tests/e2e/interop/",),
+    "reliability": ("test_reliability.py::",),  # one module-scoped catalogue, built once, not once per worker
 }
 
 #: The tiers, by folder: tests/unit/ (the quick loop), tests/integration/ (in-process runs), tests/e2e/ (launchers,

@@ -1,8 +1,9 @@
 """Resumable checkpoints: `{output_dir}/step-NNNNNN/`, written atomically, newest `keep_last` kept.
 
 A checkpoint is `accelerator.save_state(...)` (drafter weights as safetensors, optimizer, scheduler, every
-process's RNG state) plus `train_state.json` (step, epoch, batches consumed in the epoch, bad-step count) and a
-`COMPLETE` marker. It is written into `.step-NNNNNN.tmp/` and renamed into place only when every process has
+process's RNG state) plus `train_state.json` (step, epoch, batches consumed in the epoch, bad-step count), a copy of
+the run's record `run.json` (its settings and the contents of its inputs: train/run_folder.py refuses to continue
+from another run's checkpoint) and a `COMPLETE` marker. It is written into `.step-NNNNNN.tmp/` and renamed into place only when every process has
 finished writing, so a crash (even kill -9 mid-write) never leaves a folder that `resume=auto` would pick up.
 Loading goes through accelerate, which reads tensors with `torch.load(weights_only=True)`.
 """
@@ -23,10 +24,16 @@ from draftheads.train.config import ConfigError
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MARKER = "COMPLETE"
 STATE_FILE = "train_state.json"
+RUN_FILE = "run.json"
+"""The run's record, in the run folder and in each checkpoint."""
 
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permissions); the message names it and what is intact."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (damaged, or of other shapes); the message names it and the ways out."""
 
 
 @dataclass
@@ -99,6 +106,9 @@ def _write(accelerator, output_dir, state: TrainState, keep_last: int, final: Pa
     accelerator.wait_for_everyone()  # every rank's RNG file is on disk before the rename
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps(asdict(state)))
+        record = Path(output_dir) / RUN_FILE
+        if record.is_file():  # which run this checkpoint belongs to
+            shutil.copyfile(record, tmp / RUN_FILE)
         usual_modes(tmp)  # safetensors writes 0600; a checkpoint is read back by whoever resumes
         fsync_tree(tmp)
         _crash_hook(state.step, "before_marker")
@@ -111,10 +121,28 @@ def _write(accelerator, output_dir, state: TrainState, keep_last: int, final: Pa
     accelerator.wait_for_everyone()
 
 
+def run_summary(output_dir) -> dict:
+    """What a drafter's metadata keeps of its run's record: the run's digest and each input's (main process;
+    {} when the folder has no record, as for a loop run outside a trainer)."""
+    path = Path(output_dir) / RUN_FILE
+    if not path.is_file():
+        return {}
+    record = json.loads(path.read_text())
+    return {"run": record.get("run"), "inputs": {k: v.get("digest") for k, v in (record.get("inputs") or {}).items()}}
+
+
 def load_checkpoint(accelerator, path: Path) -> TrainState:
-    """Restore weights, optimizer, scheduler and RNG (through accelerate) and return the loop position."""
-    accelerator.load_state(str(path))
-    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+    """Restore weights, optimizer, scheduler and RNG (through accelerate) and return the loop position. A damaged
+    checkpoint (a truncated weights file, a bad train_state.json) is a CheckpointError naming it."""
+    try:
+        state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+        accelerator.load_state(str(path))
+    except Exception as err:  # noqa: BLE001 (torch, safetensors and accelerate each raise their own types)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"cannot load checkpoint {path} ({type(err).__name__}: {first[:300]}); it is damaged: "
+                              f"move it out of {path.parent} to continue from the checkpoint before it, or "
+                              "--train.resume=none to start over") from None
+    return state
 
 
 CRASH_HOOK = "DRAFTHEADS_TEST_CHECKPOINT_KILL"

@@ -40,7 +40,7 @@ def main_guard(fn, cls: type[C], argv: list[str] | None = None, prog: str | None
     except ConfigError as err:  # found once the run started (e.g. an option this machine cannot honour)
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    except _user_errors() as err:
+    except user_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(1) from None
     except OSError as err:  # the environment: a full disk, a folder made read-only, a file gone
@@ -80,12 +80,13 @@ def os_error_line(err: OSError) -> str:
             "command continues from the newest")
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
+def user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message is the whole story (no traceback helps the user)."""
     from draftheads.data.config import DataError
     from draftheads.data.hidden_states import CacheError
     from draftheads.models.eagle import EagleError
     from draftheads.models.export import DrafterFormatError
     from draftheads.models.verifier import VerifierError
+    from draftheads.train.checkpoint import CheckpointError
 
-    return DataError, CacheError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError
+    return DataError, CacheError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError, CheckpointError

@@ -10,6 +10,7 @@ its `--help` text. Each trainer defines its own root dataclass (a `RunConfig` pl
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ import yaml
 
 from draftheads.data.config import DataConfig
 from draftheads.models.atomic import write_text
+
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ConfigError(ValueError):
@@ -76,8 +80,16 @@ class TrainConfig:
         for key in ("save_every", "eval_every", "warmup_steps", "eval_batches", "num_workers"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key}={getattr(self, key)}: expected >= 0")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr={self.lr}: expected > 0")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= FLOAT32_MAX):
+            raise ConfigError(f"train.lr={self.lr}: expected a finite number > 0 (at most {FLOAT32_MAX:.3g}, the "
+                              "largest float32, which the optimizer computes in)")
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(math.isfinite(b) and 0 <= b < 1 for b in betas):
+            raise ConfigError(f"train.betas={list(betas)}: expected two AdamW betas, each in [0, 1) (e.g. [0.9, 0.95])")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise ConfigError(f"train.grad_clip={self.grad_clip}: expected a finite norm >= 0 (0 turns clipping off)")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"train.weight_decay={self.weight_decay}: expected a finite value >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio}: expected a value in [0, 1]")
         if self.warmup_steps >= self.max_steps:
@@ -158,8 +170,22 @@ class RunConfig:
         return Path(self.output_dir) / "drafter"
 
     def __post_init__(self):
+        check_finite(self)
         if self.features == "offline" and not self.feature_cache:
             raise ConfigError("features=offline needs feature_cache: the folder written by `draftheads dump-features`")
+
+
+def check_finite(cfg, prefix: str = "") -> None:
+    """Every float setting of a config (nested sections, lists and tuples included) must be a finite number: YAML's
+    `.nan` / `.inf` or `1e999` are refused naming the key, whatever the field's own range check would let through."""
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check_finite(value, f"{key}.")
+            continue
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{key}={value}: expected a finite number")
 
 
 C = TypeVar("C")

@@ -41,9 +41,12 @@ from draftheads.data.hidden_states import (
     shard_name,
     sidecar_name,
 )
+from draftheads.data.identity import input_changes
+from draftheads.data.identity import data_inputs
 from draftheads.models.atomic import atomic_path, write_json
 from draftheads.models.dtypes import to_dtype
 from draftheads.train.config import ConfigError, parse_config
+from draftheads.models.verifier import folder_content, resolve_verifier
 from draftheads.train.placement import load_verifier
 
 
@@ -112,17 +115,27 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
 
+    plan_path = folder / "plan.json"
+    before = json.loads(plan_path.read_text()) if plan_path.is_file() else {}
+    # What the dump reads, by content (data/identity.py), before anything is loaded: a restart on changed inputs stops.
+    known = before.get("inputs") or {}
+    inputs = {"verifier": {"source": cfg.verifier,
+                           **folder_content(resolve_verifier(cfg.verifier), (known.get("verifier") or {}).get("files"))},
+              **data_inputs(cfg.data, known)}
+    if before.get("inputs"):
+        changed = input_changes(before["inputs"], inputs)
+        if changed:
+            raise CacheError(f"{plan_path}: this cache was started from other inputs ({'; '.join(changed)}); use a "
+                             f"new --out folder or delete {folder}")
     verifier, tokenizer = load_verifier(cfg, state.device)
     layer_ids = layers_for(method, cfg, verifier)
     datasets = dict(zip(SPLITS, build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)))
     plan = {"format": FORMAT, "version": VERSION, "method": method, "verifier": verifier.describe(),
             "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
             "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
-            "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg)}
-    plan_path = folder / "plan.json"
-    if plan_path.is_file():
-        before = json.loads(plan_path.read_text())
-        changed = [k for k in plan if before.get(k) != plan[k]]
+            "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs}
+    if before:
+        changed = [k for k in plan if k != "inputs" and before.get(k) != plan[k]]
         if changed:
             k = changed[0]
             raise CacheError(f"{plan_path}: this cache was started with {k}={before.get(k)!r}, this dump has "
@@ -188,8 +201,11 @@ def _write_shard(folder: Path, name: str, tensors: dict, rows: int, plan: dict) 
     from safetensors.torch import save_file
 
     with atomic_path(folder / name) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "fingerprint": plan["verifier"]["fingerprint"],
-                                               "method": plan["method"], "rows": str(rows)})
+        # One metadata entry: safetensors writes a map of several in no fixed order, and the same dump must give the
+        # same bytes (caches are compared by hash).
+        meta = json.dumps({"fingerprint": plan["verifier"]["fingerprint"], "method": plan["method"], "rows": rows},
+                          sort_keys=True)
+        save_file(tensors, str(tmp), metadata={FORMAT: meta})
         meta = {"file": name, "rows": rows, "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
     write_json(folder / sidecar_name(name), meta)  # after the rename: the shard counts as done from here on
 
@@ -223,6 +239,8 @@ def _config_class(method: str | None, argv: list[str]):
 
         path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"),
                     next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None))
+        if path and not Path(path).is_file():
+            raise CacheError(f"--config {path}: no such file")
         keys = set(yaml.safe_load(Path(path).read_text()) or {}) if path else set()
         method = "medusa" if "medusa" in keys else "eagle3" if "eagle" in keys else None
         if method is None:
@@ -249,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows-per-shard", "--rows_per_shard", dest="rows_per_shard", type=int, default=256, help="rows per safetensors shard")
     parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
     args, rest = parser.parse_known_args(argv)
+    from draftheads.train.cli import user_errors
+
     try:
         cfg = parse_config(_config_class(args.method, rest), rest, prog="draftheads dump-features")
         out = args.out or cfg.feature_cache
@@ -258,6 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     except (CacheError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except user_errors() as err:  # a verifier or data file that cannot be used
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("stopped by SIGINT (Ctrl-C): the shards written so far are complete; rerunning the same command "
+              "continues", file=sys.stderr)
+        return 130
+    except OSError as err:  # a full disk, a folder that cannot be written
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}; the shards already written are complete, and rerunning the same "
+              "command continues", file=sys.stderr)
+        return 1
     return 0
 
 

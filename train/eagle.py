@@ -36,6 +36,7 @@ import torch
 from draftheads.data.progress import quiet
 from draftheads.models.dtypes import to_dtype
 from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens
+from draftheads.eval.drafters.eagle import TREE_TOP_K
 from draftheads.models.export import check_eagle_engine, export_eagle
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, RunConfig
@@ -72,6 +73,17 @@ class EagleRunConfig(RunConfig):
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens={self.num_speculative_tokens}: expected at least 1")
         check_eagle_engine(self.eagle, self.engine)  # the engine's defaults, and what it would serve wrong
+        seq_len, eagle = self.data.seq_len, self.eagle
+        if eagle.ttt_steps > seq_len - 2:  # step k at position t predicts token t+k+2 of the row
+            what = "training-time-test step" if eagle.version == 3 else "scored draft step"
+            raise ConfigError(f"eagle.ttt_steps={eagle.ttt_steps} with data.seq_len={seq_len}: each {what} k predicts "
+                              f"token t+k+2, so steps past {seq_len - 2} would have no target in a row; set "
+                              f"eagle.ttt_steps <= {seq_len - 2} or raise data.seq_len")
+        small = eagle.version == 3 and not eagle.parallel and eagle.draft_vocab_size is not None
+        if small and eagle.draft_vocab_size < TREE_TOP_K:
+            raise ConfigError(f"eagle.draft_vocab_size={eagle.draft_vocab_size}: the dynamic draft tree (the engine's "
+                              f"and the train/serve check's) takes the top {TREE_TOP_K} draft tokens at each node; "
+                              f"expected at least {TREE_TOP_K} (or null: the whole vocabulary)")
 
 
 def draft_vocab_counts(dataset, vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:

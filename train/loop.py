@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from draftheads.data.progress import quiet
 from draftheads.train.checkpoint import (
     TrainState,
+    run_summary,
     complete_checkpoints,
     load_checkpoint,
     resolve_resume,
@@ -44,6 +45,18 @@ class NonFiniteLossError(RuntimeError):
     """Too many consecutive steps with a non-finite loss; the last good checkpoint is intact."""
 
 
+class NonFiniteWeightsError(NonFiniteLossError):
+    """An update left the drafter's weights non-finite (the loss before it was finite); they are never
+    checkpointed or exported, and the last good checkpoint is intact."""
+
+
+def all_finite(params) -> torch.Tensor:
+    """A device bool: every value of every tensor in `params` is finite (a shard's local part under FSDP). No host
+    sync."""
+    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in params]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
+
+
 class TrainLoop:
     """Optimizer-step bookkeeping shared by the trainers.
 
@@ -53,6 +66,11 @@ class TrainLoop:
     loss is finite (the one host sync per optimizer step), clips, steps optimizer and schedule, logs every
     `log_every` steps, evaluates every `eval_every`, and checkpoints every `save_every`.
     Metrics are summed on the device between log steps.
+
+    The numerical guard: a non-finite loss skips its update (`max_bad_steps` in a row stop the run); and after each
+    update the trained parameters are checked (on the device, read at the next sync point, before any checkpoint
+    and at the end), so weights an update made non-finite, even from a finite loss (too high a learning rate),
+    stop the run at once and are never checkpointed or exported.
     """
 
     def __init__(self, accelerator, cfg: RunConfig, model, optimizer, scheduler, train_dl: DataLoader,
@@ -64,6 +82,7 @@ class TrainLoop:
         self.state = TrainState()
         self.output_dir = Path(cfg.output_dir)
         self._finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
+        self._weights_finite = torch.ones((), dtype=torch.bool, device=accelerator.device)
         self._sums: dict[str, torch.Tensor] = {}
         self._count = 0
         self._consecutive_bad = 0
@@ -119,15 +138,25 @@ class TrainLoop:
             self._tokens += tokens.detach()
         if not accelerator.sync_gradients:
             return
-        # This is the sync point: one boolean per optimizer step, agreed by all processes.
-        finite = bool(accelerator.reduce(self._finite.float(), reduction="mean").item() == 1.0)
+        # This is the sync point: two booleans per optimizer step (this loss finite, the last update's weights
+        # finite), agreed by all processes.
+        flags = torch.stack([self._finite, self._weights_finite]).float()
+        finite, weights = (v == 1.0 for v in accelerator.reduce(flags, reduction="mean").tolist())
         self._finite.fill_(True)
+        if not weights:
+            self._stop_non_finite_weights(state.step)
         if finite:
             self._consecutive_bad = 0
-            if cfg.train.grad_clip > 0:
+            if cfg.train.grad_clip > 0:  # the exact parameter list: accelerate recognises an FSDP model by it
                 params = self.clip_params if self.clip_params is not None else self.model.parameters()
                 accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
-            self.optimizer.step()
+            try:
+                self.optimizer.step()
+            except RuntimeError as err:  # torch's AdamW: lr / bias correction beyond float32 ("overflow")
+                if "overflow" not in str(err):
+                    raise
+                self._stop_non_finite_weights(state.step + 1, f"the update overflows float32 ({err})")
+            self._weights_finite = all_finite(self._trained()).to(self._finite.device)
         else:
             state.bad_steps += 1
             self._consecutive_bad += 1
@@ -182,18 +211,51 @@ class TrainLoop:
             with open(self.output_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    def _trained(self) -> list:
+        params = self.clip_params if self.clip_params is not None else self.model.parameters()
+        return [p for p in params if p.requires_grad]
+
+    def check_weights(self) -> None:
+        """Stop (NonFiniteWeightsError) if the last update left a trained weight non-finite. Collective; a sync."""
+        weights = self.accelerator.reduce(self._weights_finite.float(), reduction="mean").item() == 1.0
+        if not weights:
+            self._stop_non_finite_weights(self.state.step)
+
+    def _stop_non_finite_weights(self, step: int, what: str = "the update made the drafter's weights non-finite "
+                                 "(NaN or inf) although the loss was finite") -> None:
+        last = complete_checkpoints(self.output_dir)
+        raise NonFiniteWeightsError(
+            f"step {step}: {what}; stopping without checkpointing or exporting them. Last good checkpoint: "
+            f"{last[-1] if last else 'none written yet'}. Lower train.lr (now {self.cfg.train.lr:g}) or check the "
+            "data")
+
     # -- checkpoints --
     def save(self) -> Path:
+        self.check_weights()  # a checkpoint is never written from non-finite weights
         return save_checkpoint(self.accelerator, self.output_dir, self.state, self.cfg.train.keep_last)
 
     def finish(self) -> None:
-        """Final checkpoint (unless the last step already wrote one) and progress bar close."""
+        """Final checkpoint (unless the last step already wrote one) and progress bar close; the weights, which the
+        trainer exports next, checked finite either way."""
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self.state.step and self.state.bad_steps >= self.state.step:  # a run that never applied an update
+            raise NonFiniteLossError(
+                f"all {self.state.step} steps had a non-finite loss, so nothing was trained; stopping without "
+                "exporting. Check the verifier (its features may be NaN) and the data, or lower train.lr")
+        if self._consecutive_bad:  # the weights the run ends with may be what makes the loss non-finite
+            last = complete_checkpoints(self.output_dir)
+            raise NonFiniteLossError(
+                f"the run's last {self._consecutive_bad} step(s) had a non-finite loss; stopping without "
+                f"checkpointing or exporting the weights they ran on. Last good checkpoint: "
+                f"{last[-1] if last else 'none written yet'}. Lower train.lr (now {self.cfg.train.lr:g}) or check "
+                "the data")
         done = step_dir(self.output_dir, self.state.step)
         if not (done / "COMPLETE").is_file():
             self.save()
+        else:
+            self.check_weights()
 
     def print(self, message: str) -> None:
         """A line for people (main process, not when quiet), above the progress bar while one is shown."""
@@ -212,7 +274,7 @@ class TrainLoop:
         last.pop("step", None)
         return {"steps": self.state.step, "epochs": self.state.epoch + self.state.consumed / max(1, len(self.train_dl)),
                 "bad_steps": self.state.bad_steps, "wall_time_s": round(time.perf_counter() - self._started, 3),
-                **last}
+                **last, **run_summary(self.output_dir)}
 
 
 def _progress(total: int, initial: int, desc: str):

@@ -67,6 +67,11 @@ class MedusaRunConfig(RunConfig):
         if self.features == "offline" and self.medusa.joint:
             raise ConfigError("features=offline with medusa.joint=true: Medusa-2 trains through the verifier itself, "
                               "so it cannot read cached features; use features=online")
+        heads, seq_len = self.medusa.num_heads, self.data.seq_len
+        if heads > seq_len - 2:  # head k at position t predicts token t+k+2 of the row
+            raise ConfigError(f"medusa.num_heads={heads} with data.seq_len={seq_len}: head k predicts token t+k+2, so "
+                              f"heads past {seq_len - 2} would never see a target; set medusa.num_heads <= "
+                              f"{seq_len - 2} or raise data.seq_len")
 
 
 # ---- what accelerator.prepare wraps: the trainable part, with the loss in forward (DDP syncs through forward) ----

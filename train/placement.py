@@ -20,12 +20,20 @@ from draftheads.train.config import ConfigError, RunConfig
 def load_verifier(cfg: RunConfig, device, accelerator=None):
     """The frozen verifier and its tokenizer, checked against each other.
 
-    With `accelerator` the verifier is placed for the launch config (`shard_verifier`): under FSDP it is read on the
-    CPU and its decoder layers are sharded onto `device` one at a time, so no device ever holds all of it.
+    With `accelerator` (a training run, whose folder `build_accelerator` claimed) the run's inputs are recorded and
+    checked first (train/run_folder.py `claim_run_inputs`: the verifier's, the data's and the feature cache's
+    contents, and the checkpoint it would continue from), and the verifier is placed for the launch config
+    (`shard_verifier`): under FSDP it is read on the CPU and its decoder layers are sharded onto `device` one at a
+    time, so no device ever holds all of it.
     """
     from transformers import AutoTokenizer
 
     from draftheads.models.verifier import Verifier, VerifierError
+
+    if accelerator is not None:
+        from draftheads.train.run_folder import claim_run_inputs
+
+        claim_run_inputs(accelerator, cfg)
 
     shard = accelerator is not None and verifier_sharded_by(accelerator)
     verifier = Verifier.from_pretrained(cfg.verifier, dtype=cfg.verifier_dtype, device="cpu" if shard else device,

@@ -11,6 +11,18 @@ deleted; a newer run's checkpoints are never pruned against an older run's, and 
 run). A folder written before records existed (checkpoints and config.yaml, no run.json) is compared through its
 config.yaml.
 
+A run is also what it is made from: run.json records the sha256 of every file it reads (the verifier's weights,
+config and tokenizer files, the data source's files, a chat template file, the feature cache's index: data/identity.py),
+and a rerun whose inputs' contents differ stops the same way, naming the files (`the verifier: model.safetensors
+changed (sha256 1a2b3c4d -> 5e6f7a8b)`). Paths do not count: a verifier or a data file moved or copied elsewhere with
+the same bytes is the same input. Checking costs a stat per file (the recorded size and mtime are the fast path;
+only a file whose mtime moved is read again). A folder that holds nothing trained yet (no checkpoint, no drafter) is
+simply taken over by the new run.
+
+Each checkpoint carries the run's record (step-NNNNNN/run.json), and the checkpoint a run would continue from (the
+newest in the folder, or `train.resume=PATH`) must be of this run, by settings and by content: one copied from
+another run, or another run's passed as `train.resume`, is refused before anything is loaded, naming what differs.
+
 One run holds a folder at a time: the main process takes an exclusive lock on `{output_dir}/.lock` (fcntl, held
 until the process ends, however it ends: a lock left by a killed run is simply free again) and writes its pid, host
 and start time there, which a second run's error names. Every process of a multi-process run learns the outcome
@@ -20,7 +32,6 @@ NFS v4 and Lustre honour them.)
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -30,21 +41,20 @@ from pathlib import Path
 
 import yaml
 
-from draftheads.models.atomic import write_json
-from draftheads.train.checkpoint import resolve_resume
+from draftheads.data.identity import input_changes
+from draftheads.models.atomic import FolderInUse, lock_folder, write_json
+from draftheads.train.checkpoint import RUN_FILE, resolve_resume
 from draftheads.train.config import ConfigError, config_dict, save_config
 
-RUN_FILE = "run.json"
-LOCK_FILE = ".lock"
-#: Settings that do not change what is trained (prefix match on dotted keys).
-NOT_RESULT = ("output_dir", "feature_cache", "train.resume", "train.log_every", "train.eval_every",
+#: Settings that do not change what is trained (prefix match on dotted keys). The verifier, the data source and the
+#: feature cache are compared by content (`run_inputs`), not by path.
+NOT_RESULT = ("output_dir", "verifier", "data.source", "feature_cache", "train.resume", "train.log_every", "train.eval_every",
               "train.eval_batches", "train.save_every", "train.keep_last", "train.num_workers", "train.max_bad_steps",
               "data.num_proc", "wandb", "consistency", "engine", "export_dtype", "num_speculative_tokens",
               "medusa.tree_budget", "medusa.tree_max_rank")
 #: What a run folder holds besides its lock: moved aside together when a run starts over.
 RUN_ARTEFACTS = ("step-", ".step-", "drafter", ".drafter", "metrics.jsonl", RUN_FILE, "config.yaml", "wandb")
 
-_held: dict[str, object] = {}  # folder -> this process's open lock file (the lock lives as long as the handle)
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -71,44 +81,115 @@ def differences(old: dict, new: dict) -> list[str]:
             if old.get(k, missing) != new.get(k, missing)]
 
 
+def read_record(path: Path) -> dict:
+    """A run record (run.json of a folder or a checkpoint): {"signature", "inputs", "run", ...}."""
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not isinstance(record["signature"], dict):
+            raise TypeError
+        return record
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+        raise ConfigError(f"{path}: unreadable run record; move it away to start a new run here") from None
+
+
 def recorded(folder: Path) -> dict | None:
-    """The signature a folder records: run.json, else (a folder from before records) its config.yaml."""
+    """The record of the run a folder holds: run.json, else (a folder from before records) a record built from its
+    config.yaml, with no inputs. None when the folder holds no trained state (no checkpoint, no drafter): there is
+    nothing to continue, and a new run may take it over."""
+    if not any(p.name.startswith(("step-", "drafter")) for p in folder.iterdir()):
+        return None
     run = folder / RUN_FILE
     if run.is_file():
-        try:
-            return json.loads(run.read_text())["signature"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ConfigError(f"{run}: unreadable run record; move it away to start a new run here") from None
+        return read_record(run)
     config = folder / "config.yaml"
     if config.is_file() and any(p.name.startswith("step-") for p in folder.iterdir()):
         try:
-            return signature(yaml.safe_load(config.read_text()) or {})
+            return {"signature": signature(yaml.safe_load(config.read_text()) or {})}
         except yaml.YAMLError:
             raise ConfigError(f"{config}: unreadable; move it away to start a new run here") from None
     return None
 
 
+def run_inputs(cfg, known: dict | None = None) -> dict:
+    """What a run is made from, by content (data/identity.py): {"verifier", "data" (+ "chat_template"),
+    "feature_cache" (offline)}, each {"source", "files", "digest"}. Resolves the verifier's folder (an embedded one is
+    built, a hub id downloaded: what loading would do anyway) without loading it. `known`: an earlier record's inputs,
+    trusted for files whose size and mtime are unchanged."""
+    from draftheads.data.identity import digest, files_record
+    from draftheads.data.identity import data_inputs
+    from draftheads.models.verifier import folder_content, resolve_verifier
+
+    known = known or {}
+    index = None
+    if cfg.features == "offline":
+        from draftheads.data.hidden_states import check_for_run, read_index
+
+        cache = Path(cfg.feature_cache)
+        index = read_index(cache)
+        if not known:  # a new run: what the dump recorded spares hashing the same files again
+            known = index.get("inputs") or {}
+    folder = resolve_verifier(cfg.verifier)
+    inputs = {"verifier": {"source": cfg.verifier,
+                           **folder_content(folder, (known.get("verifier") or {}).get("files"))}}
+    if index is not None:
+        files = files_record(cache, ["index.json"], (known.get("feature_cache") or {}).get("files"))
+        inputs["feature_cache"] = {"source": cfg.feature_cache, "files": files, "digest": digest(files)}
+        inputs.update(check_for_run(index, cfg, cache, inputs["verifier"], known))
+    else:
+        inputs.update(data_inputs(cfg.data, known))
+    return inputs
+
+
+def run_digest(record: dict) -> str:
+    """The run's identity: its result-deciding settings and its inputs' contents, 16 hex digits."""
+    import hashlib
+
+    inputs = {k: v.get("digest") for k, v in (record.get("inputs") or {}).items()}
+    return hashlib.sha256(json.dumps([record["signature"], inputs], sort_keys=True).encode()).hexdigest()[:16]
+
+
+def what_differs(theirs: dict, mine: dict) -> str:
+    """'its settings differ: ...' and / or 'its inputs differ: ...' between two run records ('' if the same run)."""
+    parts = []
+    diff = differences(theirs["signature"], mine["signature"])
+    if diff:
+        parts.append("its settings differ: " + "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more"
+                                                                       if len(diff) > 8 else ""))
+    if "inputs" in theirs:
+        changed = input_changes(theirs["inputs"], mine["inputs"])
+        if changed:
+            parts.append("its inputs differ: " + "; ".join(changed))
+    return ", and ".join(parts)
+
+
+def check_checkpoint(path: Path, mine: dict, folder: Path, legacy: bool, explicit: bool) -> None:
+    """The checkpoint a run would continue from must be this run's (by settings and content); else a ConfigError
+    naming it and what differs. `legacy`: the folder's record predates content records (its checkpoints carry
+    none)."""
+    how = ("resume from a checkpoint of this run, or use another output_dir for a new one" if explicit else
+           f"move it out of {folder} (the run then continues from the checkpoint before it, if any), or "
+           "--train.resume=none to start over")
+    where = f"train.resume={str(path)!r}" if explicit else str(path)
+    record_path = path / RUN_FILE
+    if not record_path.is_file():
+        if legacy and not explicit:
+            return
+        raise ConfigError(f"{where}: the checkpoint carries no run record ({RUN_FILE}), so it cannot be told apart "
+                          f"from another run's; {how}")
+    theirs = read_record(record_path)
+    differs = what_differs(theirs, mine) if "inputs" in theirs else ""
+    if differs or ("inputs" not in theirs and not legacy):
+        raise ConfigError(f"{where} is another run's checkpoint ({differs or 'it carries no inputs record'}); {how}")
+
+
 def lock(folder: Path) -> None:
-    """Take the folder's lock for this process's life, or fail naming who holds it. A process that holds it
-    already (a second run in the same Python process, as tests do) keeps it."""
-    key = str(folder.resolve())
-    if key in _held:
-        return
-    path = folder / LOCK_FILE
-    handle = open(path, "a+")
+    """Take the folder's lock for this process's life (models/atomic.py), or fail naming who holds it. A process
+    that holds it already (a second run in the same Python process, as tests do) keeps it."""
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        raise ConfigError(f"output_dir={str(folder)!r} is in use by another run ({holder}); wait for it to end or "
+        lock_folder(folder)
+    except FolderInUse as err:
+        raise ConfigError(f"output_dir={str(folder)!r} is in use by another run ({err.holder}); wait for it to end or "
                           "use another output_dir") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    handle.flush()
-    _held[key] = handle
 
 
 def move_aside(folder: Path) -> Path | None:
@@ -139,45 +220,90 @@ def check_writable(folder: Path) -> None:
 
 
 def claim(cfg) -> str:
-    """Main process: check, lock and record the run folder; returns what to tell the user (maybe '')."""
+    """Main process: check, lock and record the run folder (its settings; the inputs follow in `claim_inputs`);
+    returns what to tell the user (maybe '')."""
     folder = Path(cfg.output_dir)
     check_writable(folder)
     lock(folder)
     if cfg.train.resume not in ("auto", "none"):
         resolve_resume(cfg.train.resume, folder)  # a bad checkpoint path stops now, not after the data is tokenised
-    mine = signature(config_dict(cfg))
+    mine = {"signature": signature(config_dict(cfg))}
     theirs = recorded(folder)
     note = ""
     if cfg.train.resume == "none":
         moved = move_aside(folder)
+        theirs = None
         if moved is not None:
             note = f"[run] train.resume=none: the earlier run in {folder} was moved to {moved}; starting over"
-    elif theirs is not None and theirs != mine:
-        diff = differences(theirs, mine)
-        shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
-        raise ConfigError(
-            f"output_dir={str(folder)!r} holds another run (its settings differ: {shown}). Use another output_dir, "
-            f"or --train.resume=none to start over here (the earlier run is moved to {folder}/previous-<time>/, "
-            "not deleted)")
-    write_json(folder / RUN_FILE, {"signature": mine, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    elif theirs is not None and theirs["signature"] != mine["signature"]:
+        differs = what_differs({"signature": theirs["signature"]}, mine)
+        raise ConfigError(f"output_dir={str(folder)!r} holds another run ({differs}). {START_OVER.format(folder=folder)}")
+    if theirs is not None:  # the run continues: what it was made from stays on record until `claim_inputs` compares
+        mine.update({k: theirs[k] for k in ("inputs", "run", "legacy") if k in theirs})
+        if "inputs" not in theirs:  # a folder from before content records: its checkpoints carry none
+            mine["legacy"] = True
+    write_json(folder / RUN_FILE, {**mine, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                                    "host": socket.gethostname()})
     save_config(cfg, folder)
     return note
 
 
-def claim_run_folder(accelerator, cfg) -> None:
-    """`claim` on the main process; every process raises the same ConfigError when it fails (collective)."""
+def claim_inputs(cfg) -> None:
+    """Main process, after `claim` and before anything is loaded: record what the run is made from (`run_inputs`),
+    refuse a run whose earlier record has other contents, and refuse to continue from another run's checkpoint."""
+    folder = Path(cfg.output_dir)
+    record = read_record(folder / RUN_FILE)
+    earlier = record.get("inputs")
+    inputs = run_inputs(cfg, known=earlier)
+    if earlier is not None:
+        changed = input_changes(earlier, inputs)
+        if changed:
+            raise ConfigError(f"output_dir={str(folder)!r} holds a run made from other inputs ({'; '.join(changed)}). "
+                              f"{START_OVER.format(folder=folder)}")
+    record["inputs"] = inputs
+    if cfg.train.resume != "none":
+        path = resolve_resume(cfg.train.resume, folder)
+        if path is not None:
+            check_checkpoint(path, record, folder, record.get("legacy", False), explicit=cfg.train.resume != "auto")
+    record["run"] = run_digest(record)
+    write_json(folder / RUN_FILE, record)
+
+
+START_OVER = ("Use another output_dir, or --train.resume=none to start over here (the earlier run is moved to "
+              "{folder}/previous-<time>/, not deleted)")
+
+
+def on_main_process(accelerator, check):
+    """Run `check()` on the main process only and hand every process its outcome: the value it returned, or the
+    same error (a ConfigError or one of the project's user errors, re-raised as it was on the main process and as a
+    ConfigError with its message elsewhere), so all processes stop together. Collective."""
     from accelerate.utils import broadcast_object_list
 
-    outcome = [None, ""]
+    from draftheads.train.cli import user_errors
+
+    outcome, error = [None, None], None
     if accelerator.is_main_process:
         try:
-            outcome = [None, claim(cfg)]
-        except ConfigError as err:
-            outcome = [str(err), ""]
+            outcome = [None, check()]
+        except (ConfigError, *user_errors()) as err:  # a missing verifier or data file, a cache that does not fit
+            outcome, error = [str(err), None], err
     if accelerator.num_processes > 1:
         broadcast_object_list(outcome, from_process=0)
+    if error is not None:
+        raise error
     if outcome[0] is not None:
         raise ConfigError(outcome[0])
-    if outcome[1]:
-        accelerator.print(outcome[1])
+    return outcome[1]
+
+
+def claim_run_folder(accelerator, cfg) -> None:
+    """`claim` on the main process; every process raises the same error when it fails (collective)."""
+    note = on_main_process(accelerator, lambda: claim(cfg))
+    if note:
+        accelerator.print(note)
+
+
+def claim_run_inputs(accelerator, cfg) -> None:
+    """`claim_inputs` on the main process (collective): train.placement.load_verifier calls it first thing, so every
+    trainer records and checks its inputs right before anything is loaded."""
+    on_main_process(accelerator, lambda: claim_inputs(cfg))

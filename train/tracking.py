@@ -1,7 +1,9 @@
 """The run's Accelerator and its experiment tracking: one `Accelerator` per run (mixed precision, gradient
 accumulation, the launch's processes), which claims the run folder (train/run_folder.py: lock, record, config.yaml)
-before anything is loaded; wandb through Accelerate's tracker (offline unless an API key is configured), started by
-`start_tracking` only once the verifier and the data passed their checks, so a failed attempt leaves no wandb run.
+before anything is loaded; wandb through Accelerate's tracker (offline unless an API key is configured), its mode
+and folders settled before anything is loaded too (eval/measure/wandb_check.py: no API key, no network or a
+read-only HOME end in one line or a fallback within seconds, never after training), started by `start_tracking`
+only once the verifier and the data passed their checks, so a failed attempt leaves no wandb run.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from draftheads.eval.measure.report import wandb_mode
+from draftheads.eval.measure.wandb_check import TrackingError, prepare_wandb
 from draftheads.train.config import ConfigError, RunConfig, config_dict
-from draftheads.train.run_folder import claim_run_folder
+from draftheads.train.run_folder import claim_run_folder, on_main_process
 
 
 def build_accelerator(cfg: RunConfig):
@@ -48,7 +50,20 @@ def build_accelerator(cfg: RunConfig):
             f"but train.grad_accum={cfg.train.grad_accum}; make them equal")
     set_seed(cfg.train.seed)
     claim_run_folder(accelerator, cfg)  # one run per folder: lock, record, config.yaml; before anything is loaded
+    if cfg.wandb.enabled:
+        cfg.wandb.mode = on_main_process(accelerator, lambda: _settle_wandb(accelerator, cfg))
     return accelerator
+
+
+def _settle_wandb(accelerator, cfg: RunConfig) -> str:
+    """The wandb mode this run logs in (main process), after `prepare_wandb`'s checks; its notes printed."""
+    try:
+        mode, notes = prepare_wandb(cfg.wandb.mode, cfg.output_dir, "wandb.mode")
+    except TrackingError as err:
+        raise ConfigError(str(err)) from None
+    for note in notes:
+        accelerator.print(note)
+    return mode
 
 
 def start_tracking(accelerator, cfg: RunConfig) -> None:
@@ -60,7 +75,7 @@ def start_tracking(accelerator, cfg: RunConfig) -> None:
 def init_wandb(accelerator, cfg: RunConfig) -> None:
     project = cfg.wandb.project or os.environ.get("WANDB_PROJECT") or "draftheads"
     init_kwargs = {"name": cfg.wandb.run_name or Path(cfg.output_dir).name, "dir": cfg.output_dir,
-                   "mode": wandb_mode() if cfg.wandb.mode == "auto" else cfg.wandb.mode}
+                   "mode": cfg.wandb.mode}  # as `build_accelerator` settled it
     if cfg.wandb.entity:
         init_kwargs["entity"] = cfg.wandb.entity
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)

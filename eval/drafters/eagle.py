@@ -54,6 +54,9 @@ from draftheads.eval.engine.runtime import bucket
 from draftheads.eval.engine.tree import Tree, tree_attention_mask
 
 EAGLE_TREE_SAMPLING = ("sample", "topk")
+TREE_TOP_K = 4
+"""The dynamic tree's children per node by default (the engine's, the train/serve check's): a drafter needs at least
+this many draft-vocabulary tokens to draft it."""
 
 
 class EagleTreeDrafter(Drafter):
@@ -62,7 +65,7 @@ class EagleTreeDrafter(Drafter):
     name = "eagle"
     capturable = True  # every step op is a device op on fixed buffers (eval/engine/cuda_loop.py may graph it)
 
-    def __init__(self, model, chain: int | None = None, depth: int = 6, top_k: int = 4, total_tokens: int = 16,
+    def __init__(self, model, chain: int | None = None, depth: int = 6, top_k: int = TREE_TOP_K, total_tokens: int = 16,
                  tree_sampling: str | None = None, window_bucket: int = 64):
         self.model = model.eval().requires_grad_(False)
         self.version = model.version
@@ -91,6 +94,11 @@ class EagleTreeDrafter(Drafter):
             if not 1 <= total_tokens <= candidates:
                 raise ValueError(f"method 'eagle': total_tokens={total_tokens}; expected 1..{candidates} (depth "
                                  f"{depth} with top_k {top_k} proposes top_k + (depth-1)*top_k^2 candidates)")
+            draft_vocab = model.draft_vocab_size if model.version == 3 else model.verifier_vocab_size
+            if top_k > draft_vocab:
+                raise ValueError(f"method 'eagle': top_k={top_k}, but the drafter drafts from a vocabulary of "
+                                 f"{draft_vocab} tokens (its draft_vocab_size); set --option top_k={draft_vocab} or "
+                                 "lower, or draft a chain (--option chain=K)")
             self.depth, self.top_k = int(depth), int(top_k)
             self.num_draft_tokens = int(total_tokens)
             self.max_depth = min(self.depth, self.num_draft_tokens)
@@ -321,7 +329,7 @@ class EagleTreeDrafter(Drafter):
         return Draft(tokens.gather(1, keep), tree)
 
 
-def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k: int = 4, total_tokens: int = 16,
+def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k: int = TREE_TOP_K, total_tokens: int = 16,
                tree_sampling: str | None = None) -> EagleTreeDrafter:
     """The `eagle` method: `draft` is an exported folder (`draftheads.models.eagle.export_eagle`) or an EagleDrafter module.
     Default: EAGLE-2's dynamic tree (depth, top_k, total_tokens); chain=K for a chain of K tokens."""

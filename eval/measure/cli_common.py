@@ -13,8 +13,8 @@ class UsageError(ValueError):
 
 def report_errors(command, *args) -> int:
     """Run `command(*args)`; a user's mistake or an environment fault becomes one line on stderr and an exit status
-    (2: the command line; 1: a file, model, drafter or disk), never a traceback (DRAFTHEADS_TRACEBACK=1 shows the
-    one of a ValueError from an engine check)."""
+    (2: the command line; 1: a file, model, drafter or disk; 130: Ctrl-C), never a traceback (DRAFTHEADS_TRACEBACK=1
+    shows the one of a ValueError from an engine check)."""
     from draftheads.data.config import DataError
     from draftheads.models.eagle import EagleError
     from draftheads.models.export import DrafterFormatError
@@ -22,6 +22,10 @@ def report_errors(command, *args) -> int:
 
     try:
         return command(*args)
+    except KeyboardInterrupt:  # Ctrl-C: results are written only at the end, so nothing half-written is left
+        print("stopped by SIGINT (Ctrl-C) before the results were written; nothing of this run was written",
+              file=sys.stderr)
+        return 130
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -88,7 +88,7 @@ def tie_gap(model, context: list[int], got: int, expected: int) -> float | None:
 def load_run_verifier(results: dict, verifier=None, device: str | None = None):
     """The verifier the run decoded with: its name and dtype from the config, plus a Medusa-2 adapter if a medusa
     run carried one (merged, as the engine does)."""
-    from draftheads.models.verifier import Verifier
+    from draftheads.models.verifier import Verifier, VerifierError, check_content
 
     cfg = results["config"]
     if verifier is None or isinstance(verifier, str):
@@ -101,8 +101,11 @@ def load_run_verifier(results: dict, verifier=None, device: str | None = None):
             load_medusa_verifier(m["draft"], verifier, merge=True)  # a no-op for Medusa-1
             break
     if cfg.get("verifier_fingerprint") and verifier.fingerprint != cfg["verifier_fingerprint"]:
-        raise ValueError(f"verifier {verifier.name!r} has fingerprint {verifier.fingerprint}, the run's had "
-                         f"{cfg['verifier_fingerprint']}: not the same weights")
+        raise VerifierError(f"verifier {verifier.name!r} has fingerprint {verifier.fingerprint}, the run's had "
+                            f"{cfg['verifier_fingerprint']}: not the same weights; pass the run's verifier "
+                            "(--verifier)")
+    check_content(cfg.get("verifier_files"), verifier, "the run", "measured with",
+                  "pass the run's verifier (--verifier); outputs re-checked on another one would differ")
     return verifier
 
 
@@ -134,13 +137,18 @@ def recheck(results: dict, verifier=None, device: str | None = None
 
 
 def main(argv: list[str] | None = None) -> int:
-    from draftheads.eval.measure.report import read_results
+    from draftheads.eval.measure.cli_common import report_errors
 
     p = argparse.ArgumentParser(prog="draftheads recheck", description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="results.json (or its folder)")
     p.add_argument("--verifier", default=None, help="default: the run's --verifier")
     p.add_argument("--device", default=None)
-    args = p.parse_args(argv)
+    return report_errors(run, p.parse_args(argv))
+
+
+def run(args) -> int:
+    from draftheads.eval.measure.report import read_results
+
     results = read_results(args.results)
     if results["config"]["settings"]["temperature"] != 0:
         print(f"{args.results}: sampled run (temperature {results['config']['settings']['temperature']}); only "

@@ -248,45 +248,44 @@ def write_report(results: dict, out_dir: str | os.PathLike) -> dict[str, Path]:
 
 
 def read_results(path: str | os.PathLike) -> dict:
+    """A results.json (or the folder holding one), checked for what the re-check reads; DataError names the file."""
+    from draftheads.data.config import DataError
+
     path = Path(path)
     if path.is_dir():
         path = path / "results.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such results file (written by `draftheads eval --out DIR`)")
+        raise DataError(f"{path}: no such results file (written by `draftheads eval --out DIR`)")
     try:
         results = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}: not valid JSON ({err})") from None
-    for key in ("config", "summary", "samples"):
-        if key not in results:
-            raise ValueError(f"{path}: no `{key}`; expected a results.json written by `draftheads eval`")
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: not valid JSON ({err}); the file is truncated or was edited: run the eval "
+                        "again") from None
+    for keys in (("config",), ("summary",), ("samples",), ("config", "settings"),
+                 ("config", "settings", "temperature"), ("config", "settings", "max_new_tokens")):
+        value = results
+        for key in keys:
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is None:
+            raise DataError(f"{path}: no `{'.'.join(keys)}`; expected a results.json written by `draftheads eval`")
     return results
 
 
 # ---- wandb -------------------------------------------------------------------------------------------------------
-def wandb_mode() -> str:
-    """wandb mode `auto` (trainers and `draftheads eval --wandb`): online only when an API key is configured (env or
-    ~/.netrc), so a run never blocks on a login; WANDB_MODE wins."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
-        return "online"
-    return "offline"
-
-
 SCALARS = ("tau", "acceptance_rate", "verifier_calls", "new_tokens", "tokens_per_s", "speedup", "efficiency")
 
 
-def log_wandb(results: dict, out_dir: str | os.PathLike, project: str | None = None, name: str | None = None) -> str:
-    """Log the summary as metrics (`<label>/tau`, ...), a table, and the plots; returns the run's folder."""
+def log_wandb(results: dict, out_dir: str | os.PathLike, project: str | None = None, name: str | None = None,
+              mode: str | None = None) -> str:
+    """Log the summary as metrics (`<label>/tau`, ...), a table, and the plots; returns the run's folder. `mode`: as
+    settled by `wandb_check.prepare_wandb` before the run (default: `wandb_mode()`)."""
     import wandb
+
+    from draftheads.eval.measure.wandb_check import wandb_mode
 
     out = Path(out_dir)
     run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "draftheads-eval",
-                     name=name or out.name, dir=str(out), mode=wandb_mode(), config=results["config"],
+                     name=name or out.name, dir=str(out), mode=mode or wandb_mode(), config=results["config"],
                      job_type="eval", reinit="finish_previous")
     try:
         summary = results["summary"]

@@ -27,10 +27,13 @@ class DrafterFormatError(ValueError):
 
 
 def metadata_block(method: str, verifier, **extra) -> dict:
-    """The `draftheads` block: what produced this drafter and for which verifier."""
+    """The `draftheads` block: what produced this drafter and for which verifier (its shape, fingerprint and, for a
+    verifier loaded from a folder, the sha256 of every file it is made of, which loading compares)."""
     from draftheads import __version__
 
-    return {"method": method, "version": __version__, "verifier": verifier.describe(), **extra}
+    content = verifier.content() if hasattr(verifier, "content") else None
+    return {"method": method, "version": __version__, "verifier": {**verifier.describe(), **(content or {})},
+            **extra}
 
 
 def write_drafter(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
@@ -40,6 +43,11 @@ def write_drafter(folder: str | os.PathLike, config: dict, tensors: dict[str, to
 
     folder = Path(folder)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:  # the last line of defence: a drafter with NaN or inf weights is never written
+        raise DrafterFormatError(f"refusing to write {folder}: {len(bad)} of {len(tensors)} weights hold non-finite "
+                                 f"values ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); the training "
+                                 "diverged: lower train.lr and train again")
     with atomic_dir(folder) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         with open(tmp / CONFIG_NAME, "w") as f:

@@ -10,7 +10,7 @@ from torch import nn
 from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import RunConfig, TrainConfig, WandbConfig
 from draftheads.train.loaders import make_dataloaders
-from draftheads.train.loop import NonFiniteLossError, TrainLoop
+from draftheads.train.loop import NonFiniteLossError, NonFiniteWeightsError, TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.tracking import build_accelerator
 
@@ -38,7 +38,8 @@ class Crash(Exception):
     pass
 
 
-def run(tmp_path, max_steps, resume="auto", poison=lambda step: False, grad_accum=1, crash_at=None, **train):
+def run(tmp_path, max_steps, resume="auto", poison=lambda step: False, grad_accum=1, crash_at=None,
+        extra_loss=lambda model, step: 0, **train):
     cfg = RunConfig(output_dir=str(tmp_path), wandb=WandbConfig(enabled=False),
                     train=TrainConfig(max_steps=max_steps, batch_size=4, grad_accum=grad_accum, lr=0.05,
                                       save_every=3, keep_last=2, resume=resume, log_every=1, warmup_steps=2,
@@ -54,7 +55,7 @@ def run(tmp_path, max_steps, resume="auto", poison=lambda step: False, grad_accu
     loop.resume()
     for batch in loop.batches():
         with accelerator.accumulate(model):
-            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+            loss = nn.functional.mse_loss(model(batch["x"]), batch["y"]) + extra_loss(model, loop.state.step)
             if poison(loop.state.step):
                 loss = loss * float("nan")
             accelerator.backward(loss)
@@ -113,3 +114,40 @@ def test_too_many_nonfinite_steps_stop_with_the_last_checkpoint_intact(tmp_path)
     with pytest.raises(NonFiniteLossError, match=r"3 consecutive.*step-000003"):
         run(tmp_path, max_steps=20, poison=lambda step: step >= 4, max_bad_steps=3)
     assert complete_checkpoints(tmp_path)[-1].name == "step-000003"
+
+
+def nan_gradient(model) -> torch.Tensor:
+    """0 in the forward, NaN in the backward (sqrt'(0) = inf, times 0): a finite loss whose update is NaN, as a norm
+    of a zero vector gives."""
+    return 0 * torch.sqrt(0 * model.weight.sum())
+
+
+def test_an_update_that_wrecks_the_weights_stops_before_they_are_saved(tmp_path):
+    """Step 5's loss is finite but its gradient is NaN: the update wrecks the weights; the run stops at the next sync
+    point, before the checkpoint of step 6 would be written, and the newest checkpoint (step 3) holds finite
+    weights."""
+    with pytest.raises(NonFiniteWeightsError, match=r"step 5: the update made the drafter's weights non-finite .* "
+                                                    r"Last good checkpoint: .*step-000003"):
+        run(tmp_path, max_steps=20, extra_loss=lambda model, step: nan_gradient(model) if step == 4 else 0)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003"]
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "step-000003" / "model.safetensors")
+    assert saved and all(torch.isfinite(t).all() for t in saved.values())
+
+
+def test_the_last_update_is_checked_before_the_final_checkpoint(tmp_path):
+    """The wrecking update is the run's last: no sync point follows, so the final checkpoint (and the export after it)
+    is what the check guards."""
+    with pytest.raises(NonFiniteWeightsError, match=r"step 4: .*Last good checkpoint: .*step-000003"):
+        run(tmp_path, max_steps=4, extra_loss=lambda model, step: nan_gradient(model) if step == 3 else 0)
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step-000003"]
+
+
+def test_a_run_that_ends_in_non_finite_losses_is_not_exported(tmp_path):
+    with pytest.raises(NonFiniteLossError, match=r"all 3 steps had a non-finite loss, so nothing was trained"):
+        run(tmp_path / "all", max_steps=3, poison=lambda step: True)
+    assert complete_checkpoints(tmp_path / "all") == []
+    with pytest.raises(NonFiniteLossError, match=r"the run's last 2 step\(s\) had a non-finite loss; .*step-000003"):
+        run(tmp_path / "tail", max_steps=5, poison=lambda step: step >= 3)
+    assert [p.name for p in complete_checkpoints(tmp_path / "tail")] == ["step-000003"]
