@@ -31,13 +31,14 @@ from __future__ import annotations
 import argparse
 import bisect
 import dataclasses
-import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
 import torch
+
+from draftheads.data.identity import sha256_file
 
 FORMAT = "draftheads-hidden-states"
 VERSION = 1
@@ -86,14 +87,6 @@ def expected_shapes(index: dict, rows: int) -> dict[str, tuple[list[int], str]]:
     if L:
         shapes["layers"] = ([rows, L, T, H], feat)
     return shapes
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ---- what a run's rows are ------------------------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 A checkpoint is `accelerator.save_state(...)` (drafter weights as safetensors, optimizer, scheduler, every
 process's RNG state) plus `train_state.json` (step, epoch, batches consumed in the epoch, bad-step count), a copy of
 the run's record `run.json` (its settings and the contents of its inputs: train/run_folder.py refuses to continue
-from another run's checkpoint) and a `COMPLETE` marker. It is written into `.step-NNNNNN.tmp/` and renamed into place only when every process has
-finished writing, so a crash (even kill -9 mid-write) never leaves a folder that `resume=auto` would pick up.
-Loading goes through accelerate, which reads tensors with `torch.load(weights_only=True)`.
+from another run's checkpoint) and a `COMPLETE` marker. It is written into `.step-NNNNNN.tmp/` and renamed into
+place only when every process has finished writing, so a crash (even kill -9 mid-write) never leaves a folder that
+`resume=auto` would pick up. Loading goes through accelerate, which reads tensors with
+`torch.load(weights_only=True)`; a checkpoint that cannot be loaded is a CheckpointError naming it.
 """
 
 from __future__ import annotations

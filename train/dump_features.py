@@ -36,17 +36,15 @@ from draftheads.data.hidden_states import (
     bytes_per_token,
     data_signature,
     human,
-    sha256_file,
     shard_done,
     shard_name,
     sidecar_name,
 )
-from draftheads.data.identity import input_changes
-from draftheads.data.identity import data_inputs
+from draftheads.data.identity import data_inputs, input_changes, sha256_file
 from draftheads.models.atomic import atomic_path, write_json
 from draftheads.models.dtypes import to_dtype
-from draftheads.train.config import ConfigError, parse_config
 from draftheads.models.verifier import folder_content, resolve_verifier
+from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.placement import load_verifier
 
 
@@ -119,8 +117,9 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     before = json.loads(plan_path.read_text()) if plan_path.is_file() else {}
     # What the dump reads, by content (data/identity.py), before anything is loaded: a restart on changed inputs stops.
     known = before.get("inputs") or {}
+    folder_of_verifier = resolve_verifier(cfg.verifier)
     inputs = {"verifier": {"source": cfg.verifier,
-                           **folder_content(resolve_verifier(cfg.verifier), (known.get("verifier") or {}).get("files"))},
+                           **folder_content(folder_of_verifier, (known.get("verifier") or {}).get("files"))},
               **data_inputs(cfg.data, known)}
     if before.get("inputs"):
         changed = input_changes(before["inputs"], inputs)

@@ -1,6 +1,7 @@
 """A run folder belongs to one run.
 
-    folder = claim_run_folder(accelerator, cfg)      # first thing a trainer does, before any model or data is loaded
+    claim_run_folder(accelerator, cfg)    # train.tracking.build_accelerator: lock, settings; before anything loads
+    claim_run_inputs(accelerator, cfg)    # train.placement.load_verifier, first: contents, the checkpoint to continue
 
 `{output_dir}/run.json` records what the run trains: its resolved config without the settings that do not change
 the result (`NOT_RESULT`: where it logs, how often it checkpoints, the export flavour, ...). A rerun with
@@ -12,20 +13,22 @@ run). A folder written before records existed (checkpoints and config.yaml, no r
 config.yaml.
 
 A run is also what it is made from: run.json records the sha256 of every file it reads (the verifier's weights,
-config and tokenizer files, the data source's files, a chat template file, the feature cache's index: data/identity.py),
-and a rerun whose inputs' contents differ stops the same way, naming the files (`the verifier: model.safetensors
-changed (sha256 1a2b3c4d -> 5e6f7a8b)`). Paths do not count: a verifier or a data file moved or copied elsewhere with
-the same bytes is the same input. Checking costs a stat per file (the recorded size and mtime are the fast path;
-only a file whose mtime moved is read again). A folder that holds nothing trained yet (no checkpoint, no drafter) is
-simply taken over by the new run.
+config and tokenizer files, the data source's files, a chat template file, the feature cache's index:
+data/identity.py), and a rerun whose inputs' contents differ stops the same way, naming the files (`the verifier:
+model.safetensors changed (sha256 1a2b3c4d -> 5e6f7a8b)`). Paths do not count: a verifier or a data file moved or
+copied elsewhere with the same bytes is the same input. Checking costs a stat per file (the recorded size and mtime
+are the fast path; only a file whose mtime moved is read again). The inputs are recorded by `claim_inputs`, which
+the trainers reach through `load_verifier` (train/placement.py), right before the verifier loads: `claim` alone,
+which settles the folder, resolves no verifier (a test of the loop machinery builds an Accelerator without one). A
+folder that holds nothing trained yet (no checkpoint, no drafter) is simply taken over by the new run.
 
 Each checkpoint carries the run's record (step-NNNNNN/run.json), and the checkpoint a run would continue from (the
 newest in the folder, or `train.resume=PATH`) must be of this run, by settings and by content: one copied from
 another run, or another run's passed as `train.resume`, is refused before anything is loaded, naming what differs.
 
-One run holds a folder at a time: the main process takes an exclusive lock on `{output_dir}/.lock` (fcntl, held
-until the process ends, however it ends: a lock left by a killed run is simply free again) and writes its pid, host
-and start time there, which a second run's error names. Every process of a multi-process run learns the outcome
+One run holds a folder at a time: the main process takes an exclusive lock on `{output_dir}/.lock`
+(models/atomic.py `lock_folder`: fcntl, held until the process ends, however it ends: a lock left by a killed run is
+simply free again) and writes its pid, host and start time there, which a second run's error names. Every process of a multi-process run learns the outcome
 from the main process, so they all stop together. (On a shared filesystem the lock is as good as its fcntl locks;
 NFS v4 and Lustre honour them.)
 """
@@ -48,7 +51,8 @@ from draftheads.train.config import ConfigError, config_dict, save_config
 
 #: Settings that do not change what is trained (prefix match on dotted keys). The verifier, the data source and the
 #: feature cache are compared by content (`run_inputs`), not by path.
-NOT_RESULT = ("output_dir", "verifier", "data.source", "feature_cache", "train.resume", "train.log_every", "train.eval_every",
+NOT_RESULT = ("output_dir", "verifier", "data.source", "feature_cache", "train.resume", "train.log_every",
+              "train.eval_every",
               "train.eval_batches", "train.save_every", "train.keep_last", "train.num_workers", "train.max_bad_steps",
               "data.num_proc", "wandb", "consistency", "engine", "export_dtype", "num_speculative_tokens",
               "medusa.tree_budget", "medusa.tree_max_rank")
@@ -237,7 +241,8 @@ def claim(cfg) -> str:
             note = f"[run] train.resume=none: the earlier run in {folder} was moved to {moved}; starting over"
     elif theirs is not None and theirs["signature"] != mine["signature"]:
         differs = what_differs({"signature": theirs["signature"]}, mine)
-        raise ConfigError(f"output_dir={str(folder)!r} holds another run ({differs}). {START_OVER.format(folder=folder)}")
+        raise ConfigError(f"output_dir={str(folder)!r} holds another run ({differs}). "
+                          f"{START_OVER.format(folder=folder)}")
     if theirs is not None:  # the run continues: what it was made from stays on record until `claim_inputs` compares
         mine.update({k: theirs[k] for k in ("inputs", "run", "legacy") if k in theirs})
         if "inputs" not in theirs:  # a folder from before content records: its checkpoints carry none

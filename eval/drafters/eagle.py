@@ -329,7 +329,8 @@ class EagleTreeDrafter(Drafter):
         return Draft(tokens.gather(1, keep), tree)
 
 
-def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k: int = TREE_TOP_K, total_tokens: int = 16,
+def make_eagle(verifier, draft, chain: int | None = None, depth: int = 6, top_k: int = TREE_TOP_K,
+               total_tokens: int = 16,
                tree_sampling: str | None = None) -> EagleTreeDrafter:
     """The `eagle` method: `draft` is an exported folder (`draftheads.models.eagle.export_eagle`) or an EagleDrafter module.
     Default: EAGLE-2's dynamic tree (depth, top_k, total_tokens); chain=K for a chain of K tokens."""

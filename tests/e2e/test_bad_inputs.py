@@ -170,37 +170,35 @@ def test_launch_config_grad_accum_must_match_the_run_config(tmp_path, monkeypatc
 def test_nonfinite_losses_stop_the_run_with_the_last_good_checkpoint_intact(tmp_path, verifier_dir, monkeypatch):
     from draftheads.train.loop import TrainLoop
 
+    from draftheads.models.verifier import Verifier
+
     out = tmp_path / "run"
-    verifier = copy_verifier(verifier_dir, tmp_path / "verifier")
-    args = eagle_args(verifier, out, "--train.max_steps=12", "--train.max_bad_steps=3")
+    args = eagle_args(verifier_dir, out, "--train.max_steps=12", "--train.max_bad_steps=3")
+    # 4 good steps (checkpoints at 2 and 4), then the verifier's features turn NaN everywhere, in the same run (a
+    # verifier replaced on disk would be another run's input: refused before anything loads).
+    poisoned, features, save = {"on": False, "good": None}, Verifier.features, TrainLoop.save
 
-    class Stop(Exception):
-        pass
+    def nan_once_poisoned(self, *args, **kwargs):
+        out = features(self, *args, **kwargs)
+        if poisoned["on"]:
+            out.final = torch.full_like(out.final, float("nan"))
+            out.layers = [torch.full_like(layer, float("nan")) for layer in out.layers]
+        return out
 
-    save = TrainLoop.save
-
-    def save_then_stop(loop):  # 4 good steps, checkpoints at 2 and 4, then the run is interrupted
+    def save_then_poison(loop):
         path = save(loop)
         if loop.state.step == 4:
-            raise Stop()
+            poisoned["on"], poisoned["good"] = True, (path / "model.safetensors").read_bytes()
         return path
 
-    monkeypatch.setattr(TrainLoop, "save", save_then_stop)
-    with pytest.raises(Stop):
-        train_eagle(*args)
-    monkeypatch.undo()
-    good = (out / "step-000004" / "model.safetensors").read_bytes()
-
-    poisoned = verifier  # the same run's verifier, now producing NaN features everywhere
-    tensors = load_file(poisoned / "model.safetensors")
-    tensors["model.embed_tokens.weight"][:] = float("nan")
-    save_file(tensors, poisoned / "model.safetensors")
+    monkeypatch.setattr(Verifier, "features", nan_once_poisoned)
+    monkeypatch.setattr(TrainLoop, "save", save_then_poison)
     with pytest.raises(NonFiniteLossError, match=r"3 consecutive steps had a non-finite loss \(train.max_bad_steps=3"
                                                  r"\); stopping. Last good checkpoint: .*step-000004"):
         train_eagle(*args)
 
     assert [p.name for p in complete_checkpoints(out)] == ["step-000002", "step-000004"]
-    assert (out / "step-000004" / "model.safetensors").read_bytes() == good
+    assert (out / "step-000004" / "model.safetensors").read_bytes() == poisoned["good"]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     counts = [(r["step"], r["train/bad_steps"]) for r in logged if "train/bad_steps" in r]
     assert counts[-2:] == [(5, 1), (6, 2)]  # each skipped step is counted in the log; the third one stops the run

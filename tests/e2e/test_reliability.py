@@ -242,7 +242,7 @@ CASES = [
 
 # ---- what the new cases share: a run, a cache, an eval and a drafter, each made once and copied ----------------------
 def train(*extra, base=None, **flags):
-    """TRAIN (or `base`) with flags replaced (`verifier="{tmp}/v"`, `source=...`, `output_dir=...`) and `extra` added."""
+    """TRAIN (or `base`) with flags replaced (`verifier="{tmp}/v"`, `source=...`, `output_dir=...`), `extra` added."""
     names = {"verifier": "--verifier=", "source": "--data.source=", "output_dir": "--output_dir="}
     out = list(base or TRAIN)
     for key, value in flags.items():
@@ -690,7 +690,8 @@ CASES += [
     Case("learning rate `.nan` in the YAML", [*TRAIN, "--config", "{tmp}/lr.yaml"], r"train\.lr=nan: expected a finite",
          setup=setup_lr_yaml),
     Case("learning rate beyond float32", [*TRAIN, "--train.lr=1e39"], r"train\.lr=1e\+39: .*at most 3\.4e\+38"),
-    Case("AdamW betas out of [0, 1)", [*TRAIN, "--train.betas=[1.5,0.9]"], r"train\.betas=\[1\.5, 0\.9\]: expected two"),
+    Case("AdamW betas out of [0, 1)", [*TRAIN, "--train.betas=[1.5,0.9]"],
+         r"train\.betas=\[1\.5, 0\.9\]: expected two"),
     Case("AdamW betas: one value", [*TRAIN, "--train.betas=[0.9]"], r"train\.betas"),
     Case("negative grad_clip (it used to turn clipping off)", [*TRAIN, "--train.grad_clip=-1"],
          r"train\.grad_clip=-1\.0: expected a finite norm >= 0 \(0 turns clipping off\)"),
@@ -706,7 +707,8 @@ CASES += [
     Case("data.seq_len below 8", [*TRAIN, "--data.seq_len=4"], r"data\.seq_len=4: expected at least 8"),
     # ---- the numerical guard
     Case("a learning rate whose update overflows float32", [*TRAIN, "--train.lr=1e38"],
-         r"step 1: the update overflows float32 .*stopping without checkpointing or exporting", check=no_drafter_written),
+         r"step 1: the update overflows float32 .*stopping without checkpointing or exporting",
+         check=no_drafter_written),
     Case("a learning rate that wrecks the weights (the losses turn NaN)", [*TRAIN, "--train.lr=1e20"],
          r"the run's last 2 step\(s\) had a non-finite loss; stopping without checkpointing or exporting",
          check=no_drafter_written),
@@ -776,7 +778,8 @@ CASES += [
     Case("cache dumped again from other data between a run and its rerun", train(*OFFLINE, **OWN_OFF),
          r"made from other inputs \(data\.source: data\.jsonl changed .*; the feature cache: index\.json changed",
          setup=cache_redumped),
-    Case("cache shard truncated", train(*OFFLINE, **OWN_OFF), r"train-00000\.safetensors: \d+ bytes, index\.json records",
+    Case("cache shard truncated", train(*OFFLINE, **OWN_OFF),
+         r"train-00000\.safetensors: \d+ bytes, index\.json records",
          setup=cache_shard_truncated),
     Case("cache shard deleted", train(*OFFLINE, **OWN_OFF), r"train-00000\.safetensors: shard missing",
          setup=cache_shard_deleted),

@@ -62,6 +62,54 @@ def test_invariants_are_checked():
         parse_config(ToyRun, ["--features=offline"])
 
 
+@pytest.mark.parametrize("flag, message", [
+    ("--train.lr=1e999", r"train\.lr=inf: expected a finite number > 0"),
+    ("--train.lr=1e39", r"train\.lr=1e\+39: .*at most 3\.4e\+38"),
+    ("--train.lr=0", r"train\.lr=0\.0"),
+    ("--train.betas=[1.5,0.9]", r"train\.betas=\[1\.5, 0\.9\]: expected two AdamW betas, each in \[0, 1\)"),
+    ("--train.betas=[0.9,1.0]", r"train\.betas=\[0\.9, 1\.0\]"),
+    ("--train.grad_clip=-1", r"train\.grad_clip=-1\.0: expected a finite norm >= 0"),
+    ("--train.grad_clip=1e999", r"train\.grad_clip=inf"),
+    ("--train.weight_decay=-0.1", r"train\.weight_decay=-0\.1"),
+    ("--consistency.tolerance=1e999", r"consistency\.tolerance=inf: expected a finite number"),
+], ids=lambda x: x if x.startswith("--") else "")
+def test_numbers_are_range_checked_before_anything_loads(flag, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config(ToyRun, [flag])
+
+
+def test_a_nan_in_the_yaml_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.lr=nan: expected a finite number"):
+        parse_config(ToyRun, ["--config", write(tmp_path, "train:\n  lr: .nan\n")])
+    with pytest.raises(ConfigError, match=r"train\.min_lr_ratio=nan"):
+        parse_config(ToyRun, ["--config", write(tmp_path, "train:\n  min_lr_ratio: .nan\n")])
+
+
+def test_steps_and_heads_must_fit_the_sequence():
+    from draftheads.train.eagle import EagleRunConfig
+    from draftheads.train.medusa import MedusaRunConfig
+
+    assert parse_config(EagleRunConfig, ["--data.seq_len=32", "--eagle.ttt_steps=30"]).eagle.ttt_steps == 30
+    with pytest.raises(ConfigError, match=r"eagle\.ttt_steps=31 with data\.seq_len=32: .*<= 30"):
+        parse_config(EagleRunConfig, ["--data.seq_len=32", "--eagle.ttt_steps=31"])
+    with pytest.raises(ConfigError, match=r"eagle\.ttt_steps=31 with data\.seq_len=32"):  # EAGLE-1's scored chains
+        parse_config(EagleRunConfig, ["--data.seq_len=32", "--eagle.version=1", "--eagle.ttt_steps=31"])
+    assert parse_config(MedusaRunConfig, ["--data.seq_len=32", "--medusa.num_heads=30"]).medusa.num_heads == 30
+    with pytest.raises(ConfigError, match=r"medusa\.num_heads=31 with data\.seq_len=32"):
+        parse_config(MedusaRunConfig, ["--data.seq_len=32", "--medusa.num_heads=31"])
+
+
+def test_the_draft_vocabulary_holds_the_draft_trees_top_k():
+    from draftheads.eval.drafters.eagle import TREE_TOP_K
+    from draftheads.train.eagle import EagleRunConfig
+
+    assert parse_config(EagleRunConfig, [f"--eagle.draft_vocab_size={TREE_TOP_K}"]).eagle.draft_vocab_size == 4
+    with pytest.raises(ConfigError, match=r"eagle\.draft_vocab_size=3: .*top 4 draft tokens"):
+        parse_config(EagleRunConfig, ["--eagle.draft_vocab_size=3"])
+    # parallel drafting drafts a chain (one token per step): any size does
+    assert parse_config(EagleRunConfig, ["--eagle.draft_vocab_size=1", "--eagle.parallel=true"]).eagle.parallel
+
+
 def test_resolved_config_is_saved(tmp_path):
     cfg = parse_config(ToyRun, ["--train.resume=none", "--toy.num_heads=2"])
     saved = yaml.safe_load(save_config(cfg, tmp_path).read_text())

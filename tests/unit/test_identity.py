@@ -1,0 +1,73 @@
+"""Identity by content (data/identity.py): a file is hashed once, a stat decides whether to read it again, and what
+differs between two records is named file by file."""
+
+import os
+
+from draftheads.data.identity import changes, digest, file_record, files_record, input_changes, summarize
+
+
+def test_a_record_is_size_mtime_and_sha256(tmp_path):
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    record = file_record(tmp_path / "a.bin")
+    assert record["size"] == 3 and record["sha256"].startswith("ba7816bf")  # sha256("abc")
+    assert record["mtime_ns"] == os.stat(tmp_path / "a.bin").st_mtime_ns
+
+
+def test_the_fast_path_trusts_an_unchanged_size_and_mtime(tmp_path):
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"one")
+    known = file_record(path)
+    st = os.stat(path)
+    path.write_bytes(b"two")  # same size, then the same mtime back: what `make` and `rsync` would not notice either
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_record(path, known)["sha256"] == known["sha256"]
+    os.utime(path)  # the mtime moved: read again, and the new bytes are seen
+    assert file_record(path, known)["sha256"] != known["sha256"]
+
+
+def test_a_touched_file_is_read_again_and_found_the_same(tmp_path):
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"same")
+    before = files_record(tmp_path, ["w.bin"])
+    os.utime(path, ns=(1, 1))
+    after = files_record(tmp_path, ["w.bin"], known=before)
+    assert after["w.bin"]["mtime_ns"] == 1 and changes(before, after) == [] and digest(before) == digest(after)
+
+
+def test_changes_name_each_file(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).write_text(name)
+    old = files_record(tmp_path, ["a", "b"])
+    (tmp_path / "a").write_text("A")
+    (tmp_path / "c").write_text("c")
+    new = files_record(tmp_path, ["a", "c"])
+    phrases = changes(old, new)
+    assert phrases[0].startswith("a changed (sha256 ") and phrases[1:] == ["b removed", "c added"]
+    assert summarize(phrases, limit=1) == f"{phrases[0]} and 2 more"
+
+
+def test_the_digest_is_contents_and_names_not_times_or_places(tmp_path):
+    for folder in ("x", "y"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.bin").write_bytes(b"weights")
+        (tmp_path / folder / "t.json").write_text("{}")
+    x, y = (files_record(tmp_path / f, ["m.bin", "t.json"]) for f in ("x", "y"))
+    assert digest(x) == digest(y)  # another folder, other mtimes: the same contents
+    os.rename(tmp_path / "y" / "t.json", tmp_path / "y" / "u.json")
+    assert digest(files_record(tmp_path / "y", ["m.bin", "u.json"])) != digest(x)  # names order a folder's files
+    one = files_record(tmp_path / "x", ["m.bin"])
+    renamed = {"other.bin": one["m.bin"]}
+    assert digest(one) == digest(renamed) and changes(one, renamed) == []  # a single file: its name is not content
+
+
+def test_input_changes_name_the_input_and_the_file():
+    def files(sha):
+        return {"model.safetensors": {"size": 1, "mtime_ns": 0, "sha256": sha * 64}}
+
+    old = {"verifier": {"source": "v", "files": files("a"), "digest": "1"},
+           "data": {"source": "hf:x", "files": {}, "digest": "hub:hf:x"}}
+    new = {"verifier": {"source": "w", "files": files("b"), "digest": "2"},
+           "data": {"source": "hf:y", "files": {}, "digest": "hub:hf:y"}}
+    assert input_changes(old, new) == ["the verifier: model.safetensors changed (sha256 aaaaaaaa -> bbbbbbbb)",
+                                       "data.source: 'hf:x' -> 'hf:y'"]
+    assert input_changes(old, {**old, "feature_cache": new["verifier"]}) == ["the feature cache added"]
