@@ -31,7 +31,6 @@ values are YAML: 3, true, [3, 2, 1], [[0], [1], [0, 0]]):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -40,6 +39,7 @@ from pathlib import Path
 from draftheads.eval.measure.cli_common import (  # shared with eval/measure/tune.py
     UsageError,
     encode_prompts,
+    hold_out_folder,
     load_tokenizer,
     report_errors,
 )
@@ -217,40 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     def checked_run():
-        with held_out_folder(args.out):
+        with hold_out_folder(args.out):
             check_args(args)
             return run(args, argv)
 
     return report_errors(checked_run)
-
-
-@contextlib.contextmanager
-def held_out_folder(out: str):
-    """One eval per `--out` at a time: its lock (models/atomic.py, as a run folder's) held for the run, and a second
-    eval into it refused in one line. An --out this eval created and left empty (an error, a Ctrl-C before the results
-    were written) is removed again."""
-    from draftheads.models.atomic import LOCK_FILE, FolderInUse, lock_folder, unlock_folder
-
-    folder = Path(out)
-    created = not folder.exists()
-    try:
-        yield_lock = False
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            lock_folder(folder)
-            yield_lock = True
-        except FolderInUse as err:
-            raise UsageError(f"--out {out} is in use by another eval ({err.holder}); wait for it to end or use "
-                             "another --out (nothing of the other eval was touched)") from None
-        except OSError:  # a file in the way, a folder that cannot be made: check_args names it
-            pass
-        yield
-    finally:
-        if yield_lock:
-            unlock_folder(folder)
-        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
-            (folder / LOCK_FILE).unlink(missing_ok=True)
-            folder.rmdir()
 
 
 def run(args, argv=None) -> int:

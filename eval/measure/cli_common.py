@@ -1,10 +1,12 @@
-"""What the eval commands share (`draftheads eval`, `draftheads tune`): the usage error, the verifier's tokenizer,
-prompts encoded and checked against the verifier's context."""
+"""What the eval commands share (`draftheads eval`, `draftheads tune`): the usage error and one line per error, the
+`--out` lock, the verifier's tokenizer, prompts encoded and checked against the verifier's context."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 
 
 class UsageError(ValueError):
@@ -40,6 +42,34 @@ def report_errors(command, *args) -> int:
     except OSError as err:
         print(f"error: {err.strerror or err}{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def hold_out_folder(out: str):
+    """One eval (or tune) per `--out` at a time: its lock (models/atomic.py, as a run folder's) held while the command
+    runs, and a second one into it refused in one line. An --out the command created and left empty (an error, a
+    Ctrl-C before the results were written) is removed again."""
+    from draftheads.models.atomic import LOCK_FILE, FolderInUse, lock_folder, unlock_folder
+
+    folder = Path(out)
+    created, held = not folder.exists(), False
+    try:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            lock_folder(folder)
+            held = True
+        except FolderInUse as err:
+            raise UsageError(f"--out {out} is in use by another draftheads eval or tune ({err.holder}); wait for it "
+                             "to end or use another --out (nothing it wrote was touched)") from None
+        except OSError:  # a file in the way, a folder that cannot be made: check_args names it
+            pass
+        yield
+    finally:
+        if held:
+            unlock_folder(folder)
+        if created and folder.is_dir() and {p.name for p in folder.iterdir()} <= {LOCK_FILE}:
+            (folder / LOCK_FILE).unlink(missing_ok=True)
+            folder.rmdir()
 
 
 def load_tokenizer(verifier, trust_remote_code: bool = False):

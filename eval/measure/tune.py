@@ -409,13 +409,14 @@ def plot(predictions: list[Prediction], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from draftheads.eval.measure.cli_common import report_errors
+    from draftheads.eval.measure.cli_common import hold_out_folder, report_errors
 
     args = parser().parse_args(argv)
 
     def checked_run():
-        check_args(args)
-        return run(args, parse_candidates(args.candidate))
+        with hold_out_folder(args.out):
+            check_args(args)
+            return run(args, parse_candidates(args.candidate))
 
     return report_errors(checked_run)
 

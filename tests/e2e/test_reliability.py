@@ -810,8 +810,12 @@ CASES += [
          r"rows_per_shard=0: expected a positive count"),
     # ---- draftheads eval
     Case("eval: two evals into one --out", EVAL,
-         r"--out .*eval is in use by another eval \(pid 777 on node-3\); wait for it to end or use another --out",
+         r"--out .*eval is in use by another draftheads eval or tune \(pid 777 on node-3\); wait for it to end",
          setup=eval_in_use, check=results_kept),
+    Case("tune: into an --out an eval is writing", ["draftheads", "tune", "--verifier={v}", "--candidate", "ngram",
+                                                    "--prompts", "{tmp}/prompts.jsonl", "--out", "{tmp}/eval"],
+         r"--out .*eval is in use by another draftheads eval or tune \(pid 777 on node-3\)", setup=eval_in_use,
+         check=results_kept),
     Case("eval: Ctrl-C while it runs", EVAL, r"stopped by SIGINT \(Ctrl-C\) before the results were written",
          setup=ctrl_c_eval, code=(130,), check=no_empty_out),
     Case("eval: Ctrl-C, into an --out holding earlier results", EVAL,
