@@ -14,8 +14,10 @@ picked up.
 Cost: a file is hashed once. Its record keeps its size and mtime beside the hash, and a later look at the same
 file with the same size and mtime (in nanoseconds) takes the recorded hash as it is (the fast path, as `make` and
 `rsync` judge files); a file whose mtime moved (a copy, a `touch`) is read again, and counts as changed only if its
-bytes did. Within a process, hashes are also kept by (inode, size, mtime), so loading what a claim already hashed
-reads nothing twice.
+bytes did. Hashes are also kept by (path, inode, size, mtime): in the process, so that loading what a claim already
+hashed reads nothing twice, and for files of 64 MiB and more in `$DRAFTHEADS_HOME/sha256.json` (default
+~/.cache/draftheads; written when it can be, never required), so that a verifier of many gigabytes is read once per
+machine, not once per eval of a drafter trained elsewhere.
 """
 
 from __future__ import annotations
@@ -25,9 +27,52 @@ import json
 import os
 from pathlib import Path
 
-#: sha256 of files already read in this process: (real path, inode, size, mtime_ns) -> hex digest.
-_MEMO: dict[tuple, str] = {}
+#: sha256 of files already read: "real path|inode|size|mtime_ns" -> hex digest (this process's, and the machine's).
+_MEMO: dict[str, str] = {}
+_DISK_LOADED = False
 CHUNK = 1 << 24
+DISK_MEMO_MIN_BYTES = 64 << 20
+
+
+def draftheads_home() -> Path:
+    """The machine's draftheads folder: $DRAFTHEADS_HOME, else ~/.cache/draftheads (embedded verifiers, hashes)."""
+    return Path(os.environ.get("DRAFTHEADS_HOME") or "~/.cache/draftheads").expanduser()
+
+
+def _disk_memo() -> Path:
+    return draftheads_home() / "sha256.json"
+
+
+def _remembered(key: str) -> str | None:
+    global _DISK_LOADED
+    if key not in _MEMO and not _DISK_LOADED:
+        _DISK_LOADED = True
+        try:
+            _MEMO.update({k: v for k, v in json.loads(_disk_memo().read_text()).items() if k not in _MEMO})
+        except (OSError, ValueError, AttributeError):  # none yet, unreadable, not ours: hash again
+            pass
+    return _MEMO.get(key)
+
+
+def _remember(key: str, sha: str, size: int) -> None:
+    _MEMO[key] = sha
+    if size < DISK_MEMO_MIN_BYTES:
+        return
+    try:  # best effort: a read-only HOME only means hashing again next time
+        path = _disk_memo()
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        known = known if isinstance(known, dict) else {}
+        known = {k: v for k, v in known.items() if os.path.exists(k.split("|")[0])}  # files since deleted go
+        known[key] = sha
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -45,10 +90,12 @@ def file_record(path: str | os.PathLike, known: dict | None = None) -> dict:
     st = os.stat(path)
     if known and known.get("size") == st.st_size and known.get("mtime_ns") == st.st_mtime_ns and known.get("sha256"):
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": known["sha256"]}
-    key = (os.path.realpath(path), st.st_ino, st.st_size, st.st_mtime_ns)
-    if key not in _MEMO:
-        _MEMO[key] = sha256_file(path)
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _MEMO[key]}
+    key = f"{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+    sha = _remembered(key)
+    if sha is None:
+        sha = sha256_file(path)
+        _remember(key, sha, st.st_size)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha}
 
 
 def files_record(root: str | os.PathLike, names, known: dict | None = None) -> dict[str, dict]:

@@ -128,7 +128,9 @@ def is_current(folder: str | Path, recipe: str | Recipe, seed: int | None = None
 
 def cache_home(home: str | Path | None = None) -> Path:
     """Where embedded verifiers live: `home`, else $DRAFTHEADS_HOME, else ~/.cache/draftheads."""
-    return Path(home or os.environ.get("DRAFTHEADS_HOME") or "~/.cache/draftheads").expanduser()
+    from draftheads.data.identity import draftheads_home
+
+    return Path(home).expanduser() if home else draftheads_home()
 
 
 @contextlib.contextmanager

@@ -71,3 +71,35 @@ def test_input_changes_name_the_input_and_the_file():
     assert input_changes(old, new) == ["the verifier: model.safetensors changed (sha256 aaaaaaaa -> bbbbbbbb)",
                                        "data.source: 'hf:x' -> 'hf:y'"]
     assert input_changes(old, {**old, "feature_cache": new["verifier"]}) == ["the feature cache added"]
+
+
+def test_a_large_file_is_hashed_once_per_machine(tmp_path, monkeypatch):
+    """Its hash is kept in $DRAFTHEADS_HOME/sha256.json: another process (here: the memo emptied) reads the file no
+    more, while a file changed since (another mtime) is read again."""
+    import draftheads.data.identity as identity
+
+    monkeypatch.setenv("DRAFTHEADS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(identity, "DISK_MEMO_MIN_BYTES", 4)
+    monkeypatch.setattr(identity, "_MEMO", {})
+    monkeypatch.setattr(identity, "_DISK_LOADED", False)
+    path = tmp_path / "big.bin"
+    path.write_bytes(b"x" * 100)
+    first = file_record(path)
+    assert (tmp_path / "home" / "sha256.json").is_file()
+    monkeypatch.setattr(identity, "_MEMO", {})
+    monkeypatch.setattr(identity, "_DISK_LOADED", False)
+    monkeypatch.setattr(identity, "sha256_file", lambda p: (_ for _ in ()).throw(AssertionError("read again")))
+    assert file_record(path) == first
+    path.write_bytes(b"y" * 100)
+    os.utime(path, ns=(5, 5))
+    monkeypatch.undo()
+    assert file_record(path)["sha256"] != first["sha256"]
+
+
+def test_a_home_that_cannot_be_written_costs_nothing_but_time(tmp_path, monkeypatch):
+    import draftheads.data.identity as identity
+
+    monkeypatch.setenv("DRAFTHEADS_HOME", "/proc/nohome")
+    monkeypatch.setattr(identity, "DISK_MEMO_MIN_BYTES", 4)
+    (tmp_path / "big.bin").write_bytes(b"z" * 100)
+    assert file_record(tmp_path / "big.bin")["size"] == 100
