@@ -28,9 +28,9 @@ another run, or another run's passed as `train.resume`, is refused before anythi
 
 One run holds a folder at a time: the main process takes an exclusive lock on `{output_dir}/.lock`
 (models/atomic.py `lock_folder`: fcntl, held until the process ends, however it ends: a lock left by a killed run is
-simply free again) and writes its pid, host and start time there, which a second run's error names. Every process of a multi-process run learns the outcome
-from the main process, so they all stop together. (On a shared filesystem the lock is as good as its fcntl locks;
-NFS v4 and Lustre honour them.)
+simply free again) and writes its pid, host and start time there, which a second run's error names. Every process
+of a multi-process run learns the outcome from the main process, so they all stop together. (On a shared
+filesystem the lock is as good as its fcntl locks; NFS v4 and Lustre honour them.)
 """
 
 from __future__ import annotations
