@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from draftheads.data.progress import quiet
+from draftheads.data.progress import EtaBar, quiet
 from draftheads.train.checkpoint import (
     TrainState,
     run_summary,
@@ -278,6 +278,4 @@ class TrainLoop:
 
 
 def _progress(total: int, initial: int, desc: str):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+    return EtaBar(total=total, initial=initial, desc=desc, dynamic_ncols=True, unit="step")

@@ -23,11 +23,10 @@ from pathlib import Path
 
 import datasets
 import torch
-from tqdm.auto import tqdm
 
 from draftheads.data.chat import end_of_turn_ids, render_chat, resolve_chat_template
 from draftheads.data.config import DataError
-from draftheads.data.progress import quiet
+from draftheads.data.progress import EtaBar, quiet
 from draftheads.data.sources import load_source
 from draftheads.models.atomic import atomic_path
 from draftheads.models.verifier import VerifierError, resolve_verifier
@@ -130,7 +129,7 @@ def regenerate(model, tokenizer, rows: datasets.Dataset | Iterable[dict], *, max
         raise DataError(f"max_new_tokens={max_new_tokens} leaves no room for a prefix in the model's context "
                         f"of {limit} tokens; lower --max-new-tokens")
     torch.manual_seed(seed)
-    bar = tqdm(total=len(rows), desc="regenerating", unit="row", disable=quiet() or not progress)
+    bar = EtaBar(total=len(rows), desc="regenerating", unit="row", disable=quiet() or not progress)
     for start in range(0, len(rows), batch_size):
         batch = rows[start: start + batch_size]
         if chat:

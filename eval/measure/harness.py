@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftheads.data.progress import quiet
+from draftheads.data.progress import EtaBar, quiet
 from draftheads.eval.measure.metrics import MethodRun, Sample
 
 HF_METHODS = ("hf", "hf-assisted")
@@ -248,8 +248,6 @@ def build_runners(verifier, specs: list[MethodSpec], dtype=None) -> list:
 def run_methods(verifier, specs: list[MethodSpec], prompts: list[tuple[str, list[int]]], settings: RunSettings,
                 dtype=None, progress: bool | None = None, desc: str = "eval") -> list[MethodRun]:
     """Decode `prompts` ((id, token ids) pairs) with every spec; returns one MethodRun per spec, in order."""
-    from tqdm.auto import tqdm
-
     if not prompts:
         raise ValueError("no prompts to evaluate")
     runners = build_runners(verifier, specs, dtype)
@@ -264,7 +262,7 @@ def run_methods(verifier, specs: list[MethodSpec], prompts: list[tuple[str, list
             first = first[:1]
         runner.generate(first, settings, settings.seed, min(settings.warmup_tokens, settings.max_new_tokens))
     hf_forwards = {s.label: 0 for s in specs}
-    bar = tqdm(total=len(prompts) * len(specs), desc=desc, unit="prompt",
+    bar = EtaBar(total=len(prompts) * len(specs), desc=desc, unit="prompt",
                disable=quiet() if progress is None else not progress)
     for batch_index, batch in enumerate(batches):
         seed = settings.seed + batch_index

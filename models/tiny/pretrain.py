@@ -29,9 +29,9 @@ def _log(msg: str) -> None:
 
 
 def _bar(iterable=None, disable: bool = False, **kwargs):
-    from tqdm.auto import tqdm
+    from draftheads.data.progress import EtaBar
 
-    return tqdm(iterable, disable=disable or _quiet(), dynamic_ncols=True, file=sys.stderr, **kwargs)
+    return EtaBar(iterable, disable=disable or _quiet(), dynamic_ncols=True, file=sys.stderr, **kwargs)
 
 
 def _cpu_count() -> int:
