@@ -26,6 +26,8 @@ VERBS: dict[str, tuple[str, str | None]] = {
                 "draftheads.eval.measure.recheck"),
     "serve-check": ("load a drafter in real vLLM, decode with it and with our engine, and compare",
                     "draftheads.eval.interop.serve_check"),
+    "import-peer": ("say what vLLM would read wrongly in another trainer's EAGLE-3 folder; --fix OUT writes it right",
+                    "draftheads.eval.interop.peer_folder"),
     "regenerate": ("self-distillation data: the verifier rewrites a source's answers", "draftheads.train.regenerate"),
     "dump-features": ("fill an offline hidden-state cache for a training run", "draftheads.train.dump_features"),
     "cache": ("check a hidden-state cache: `draftheads cache verify DIR`", "draftheads.data.hidden_states"),

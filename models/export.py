@@ -223,31 +223,39 @@ def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = Tr
         except EagleError as err:
             raise DrafterFormatError(f"{weights}: {err}") from None
     drafter = drafter.to(dtype=dtype)
-
-    expected = layout.tensors(drafter)
-    require_keys(tensors, {k: tuple(v.shape) for k, v in expected.items()}, str(weights))
-    for key, ref in expected.items():
-        if tensors[key].dtype != ref.dtype:
-            raise DrafterFormatError(f"{weights}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
     mine = layout.config(drafter, verifier, num_speculative_tokens=1)
     for key in layout.CHECKED_FIELDS:
         if key in mine and config.get(key) != mine[key]:
             raise DrafterFormatError(f"{where}: {key} is {config.get(key)!r}; this verifier's drafter has {mine[key]!r}")
+    fill_eagle(drafter, tensors, engine, weights)
+    return drafter.to(device=verifier.device)
 
+
+def fill_eagle(drafter: EagleDrafter, tensors: dict[str, torch.Tensor], engine: str = "vllm",
+               where: str | os.PathLike = WEIGHTS_NAME) -> EagleDrafter:
+    """Load a file's tensors, in `engine`'s layout and the drafter's dtype, into `drafter` (built for them): the keys,
+    shapes and dtypes must be exactly what the drafter would write, and placeholders the engines need but the
+    drafter lacks must be zero. Errors (DrafterFormatError) name `where` and the key."""
+    layout = _eagle_layout(engine)
+    expected = layout.tensors(drafter)
+    require_keys(tensors, {k: tuple(v.shape) for k, v in expected.items()}, str(where))
+    for key, ref in expected.items():
+        if tensors[key].dtype != ref.dtype:
+            raise DrafterFormatError(f"{where}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
     embedding = tensors.get(eagle_speculators.EMBEDDING)
     if embedding is not None and not torch.equal(embedding, drafter.token_embedding.detach().to(embedding.dtype)):
-        raise DrafterFormatError(f"{weights}: {eagle_speculators.EMBEDDING!r} is not the verifier's token embedding; "
+        raise DrafterFormatError(f"{where}: {eagle_speculators.EMBEDDING!r} is not the verifier's token embedding; "
                                  "this drafter embeds tokens its own way, which the engines would serve but "
                                  "draftheads does not train or decode")
     # Back to module names; placeholders the engines need but the drafter lacks must be zero.
     state = layout.state_dict(tensors)
-    if cfg.version == 3 and not pruned:  # the whole vocabulary: no maps in the file, the drafter's are the identity
+    if drafter.version == 3 and drafter.full_vocab:  # no maps in the file: the drafter's are the identity
         state.update({k: v for k, v in drafter.state_dict().items() if k in ("d2t", "t2d")})
     own = drafter.state_dict()
     for key in sorted(set(state) - set(own)):
         if state[key].count_nonzero():
-            raise DrafterFormatError(f"{weights}: {key!r} is non-zero, but this drafter has no such parameter (it is "
+            raise DrafterFormatError(f"{where}: {key!r} is non-zero, but this drafter has no such parameter (it is "
                                      "written as a zero placeholder for the engines)")
         del state[key]
     drafter.load_state_dict(state, strict=True)
-    return drafter.to(device=verifier.device)
+    return drafter

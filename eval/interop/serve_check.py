@@ -1,19 +1,25 @@
-"""Will my drafter work in vLLM? Load it there, decode a few prompts with it and with our engine, and say.
+"""Will my drafter work in vLLM as trained? Read it as vLLM reads it, load it there, decode a few prompts with it
+and with our engine, and say.
 
     draftheads serve-check --verifier V --draft D [D ...] [--prompts humaneval] [--num-prompts 4]
         [--max-new-tokens 32] [-k 3] [--dtype float32] [--method eagle3|eagle|medusa]
 
-For each drafter folder (ours or another trainer's, in vLLM's EAGLE-1 / EAGLE-3 / Medusa layouts or the speculators
-format) it prints: loaded or refused (with vLLM's own message); per prompt, whether vLLM's greedy output equals
-plain greedy decoding of the verifier, or the first position where it differs; the accepted draft tokens per
-position, ours beside vLLM's; and a verdict line. Our side decodes the same prompts with the same k in vLLM's
-convention (the first token from the prefill, `first_token="prefill"`), so for a draftheads export the counts must
-be equal, request by request; for a folder we cannot read (another trainer's) vLLM's outputs are still checked
-against plain greedy decoding. Exit status: 0 when every drafter passes, 1 when one does not, 2 for a usage error
-or when vLLM is not available (`bash scripts/setup_vllm.sh`).
+Any folder, ours or another trainer's (vLLM's EAGLE-1 / EAGLE-3 / Medusa layouts, the speculators format, a
+SpecForge export). For each it prints: what vLLM reads from config.json that disagrees with how the drafter was
+trained (the folder's `draftheads` block, or the conventions of the trainer that wrote it: eval/interop/
+peer_folder.py), naming the fields; loaded or refused (with vLLM's own message); per prompt, whether vLLM's greedy
+output equals plain greedy decoding of the verifier, and whether the accepted draft tokens per verification step
+equal our engine's; the accepted tokens per position, ours beside vLLM's (and, when the readings disagree, the
+drafter as trained beside them); and a verdict line.
 
-What parts the two engines is a difference in *reading* (layer ids, a dropped weight, a norm option): a drafter
-broken in its weights decodes alike in both, and this check then passes with its (low) acceptance shown.
+Our side decodes an EAGLE-3 folder *as vLLM reads it* (eval/interop/vllm_reading.py: its layer ids, draft vocabulary
+map, norm flags, embedding), with the same k and vLLM's convention for the first token (from the prefill), so the
+counts must be equal request by request: that proves our reading of vLLM's reading, and the comparison with the
+training record then says whether vLLM serves the drafter as trained. EAGLE-1 and Medusa folders are decoded
+through our loader, which compares config.json with the record field by field. A folder no draftheads drafter can
+decode as vLLM reads it is NOT JUDGED. Exit status: 0 when every drafter passes, 1 when one does not (or is not
+judged), 2 for a usage error or when vLLM is not available (`bash scripts/setup_vllm.sh`).
+`draftheads import-peer --fix OUT` writes a folder that vLLM reads as trained.
 """
 
 from __future__ import annotations
@@ -38,15 +44,21 @@ class Report:
 
     draft: str
     method: str | None
-    ours: bool
-    """Whether draftheads reads the folder (else only vLLM's outputs are checked)."""
+    kind: str = "draftheads"
+    """Who wrote the folder (peer_folder.KINDS), or "unknown"."""
     loaded: bool = False
     error: str | None = None
+    findings: list[str] = field(default_factory=list)
+    """What vLLM reads differently from how the drafter was trained, one line each (naming the field)."""
+    unjudged: str | None = None
+    """Why our engine cannot decode the folder as vLLM reads it (then nothing is compared)."""
     outputs_equal: list[bool] = field(default_factory=list)
     first_difference: list[int | None] = field(default_factory=list)
     accepted_ours: list[int] = field(default_factory=list)
-    """Per position k: steps that accepted at least k draft tokens (draftheads)."""
+    """Per position k: steps that accepted at least k draft tokens (draftheads, reading the folder as vLLM does)."""
     accepted_vllm: list[int] = field(default_factory=list)
+    accepted_trained: list[int] = field(default_factory=list)
+    """As accepted_ours for the drafter as trained, when the readings disagree."""
     steps_equal: list[bool] = field(default_factory=list)
     """Per prompt: whether the accepted counts per verification step are the same in both engines."""
     drafts: int = 0
@@ -54,7 +66,26 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return self.loaded and all(self.outputs_equal) and (not self.ours or all(self.steps_equal))
+        return (self.loaded and self.unjudged is None and not self.findings and all(self.outputs_equal)
+                and len(self.steps_equal) > 0 and all(self.steps_equal))
+
+
+@dataclass
+class Subject:
+    """A folder read for the check: how vLLM serves it, and our engine's decoders for it."""
+
+    method: str
+    """vLLM's speculative method."""
+    kind: str
+    served: object | None = None
+    """What our engine decodes as vLLM reads the folder: a folder path or an EagleDrafter; None: unjudged."""
+    trained: object | None = None
+    """The drafter as trained, when vLLM reads it otherwise."""
+    findings: list[str] = field(default_factory=list)
+    unjudged: str | None = None
+    options: dict = field(default_factory=dict)
+    serve_drafter: bool = False
+    notes: list[str] = field(default_factory=list)
 
 
 def detect_method(folder: Path) -> tuple[str | None, bool]:
@@ -79,6 +110,79 @@ def detect_method(folder: Path) -> tuple[str | None, bool]:
                      "--method")
 
 
+def read_eagle3(folder: Path, verifier, k: int, dtype: str) -> Subject:
+    """An EAGLE-3 folder of any trainer: vLLM's reading, the training record, and our drafters for both."""
+    import torch
+
+    from draftheads.eval.interop.peer_folder import PeerFolderError, findings, inspect
+    from draftheads.eval.interop.vllm_reading import Unreadable
+    from draftheads.models.layouts.folder import read_config
+
+    try:
+        ins = inspect(folder, verifier)
+    except PeerFolderError as err:
+        return Subject("eagle3", "unknown", unjudged=str(err))
+    config = read_config(folder)
+    subject = Subject("eagle3", ins.kind, findings=[f.line() for f in findings(ins)], notes=list(ins.notes))
+    if ins.served.parallel:  # vLLM drafts in parallel only when asked
+        subject.options["parallel_drafting"] = True
+        subject.notes.append("a parallel drafter: served with speculative_config parallel_drafting: true")
+    if ins.kind == "speculators":  # served as `vllm serve DRAFTER` when that drafts k tokens beside this verifier
+        spec = config["speculators_config"]
+        tokens = (spec.get("proposal_methods") or [{}])[0].get("speculative_tokens")
+        named = (spec.get("verifier") or {}).get("name_or_path")
+        here = named is not None and Path(str(named)).resolve() == Path(verifier.path).resolve()
+        subject.serve_drafter = tokens == k and here
+        if not subject.serve_drafter:
+            subject.notes.append(f"served as speculative_config {{method: eagle3, model: the folder}} (its own "
+                                 f"proposal drafts {tokens} tokens beside {named!r}; this check drafts {k} beside "
+                                 "--verifier)")
+    torch_dtype = getattr(torch, dtype)
+    try:
+        subject.served = ins.served.drafter(verifier, torch_dtype)
+    except Unreadable as err:
+        subject.unjudged = f"draftheads cannot decode it as vLLM reads it: {err}"
+        return subject
+    if subject.findings:
+        try:
+            subject.trained = ins.trained.drafter(verifier, torch_dtype)
+        except Unreadable as err:
+            subject.notes.append(f"the drafter as trained is not decoded here: {err}")
+    return subject
+
+
+def read_ours(method: str):
+    """EAGLE-1 / Medusa: our loader reads the folder and compares config.json with its record field by field."""
+
+    def read(folder: Path, verifier, k: int, dtype: str) -> Subject:
+        from draftheads.models.export import DrafterFormatError
+        from draftheads.models.layouts.folder import read_drafter, read_metadata
+
+        subject = Subject(method, "draftheads")
+        try:
+            config, _ = read_drafter(folder)
+            read_metadata(config, folder / "config.json")
+        except DrafterFormatError as err:
+            subject.kind, subject.unjudged = "unknown", f"draftheads does not read this folder ({err})"
+            return subject
+        try:
+            from draftheads.eval import build_decoder
+
+            build_decoder(verifier, draft=str(folder), method="medusa" if method == "medusa" else "eagle",
+                          first_token="prefill", chain=k if method == "eagle" else True)
+        except (DrafterFormatError, ValueError) as err:
+            subject.findings.append(f"config.json: draftheads' loader refuses it against its own record ({err})")
+            return subject
+        subject.served = str(folder)
+        return subject
+
+    return read
+
+
+#: vLLM method -> how serve-check reads a folder for it (a new method adds a reader here).
+READERS = {"eagle3": read_eagle3, "eagle": read_ours("eagle"), "medusa": read_ours("medusa")}
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -91,50 +195,49 @@ def per_position(accepted: list[list[int]], k: int) -> list[int]:
     return [sum(a > i for a in steps) for i in range(k)]
 
 
+def decode_ours(verifier, draft, method: str, prompts, max_new_tokens: int, k: int):
+    """Our engine on `draft` (a folder or an EagleDrafter), vLLM's way: first token from the prefill, a chain of k."""
+    from draftheads.eval import build_decoder
+
+    engine_method = "medusa" if method == "medusa" else "eagle"
+    dec = build_decoder(verifier, draft=draft, method=engine_method, first_token="prefill",
+                        chain=k if engine_method == "eagle" else True)
+    return dec, dec.generate(prompts, max_new_tokens, eos_token_id=None)
+
+
 def check(verifier, drafts: list[str], prompts: list[list[int]], max_new_tokens: int, k: int, dtype: str,
           method: str | None = None, say=print) -> list[Report]:
     """Decode `prompts` with each drafter in vLLM and in our engine; one Report per drafter."""
-    from draftheads.eval import SpeculativeDecoder, build_decoder
+    from draftheads.eval import SpeculativeDecoder
     from draftheads.eval.interop.vllm_peer import VllmCase, run_vllm
-    from draftheads.models.export import DrafterFormatError
-    from draftheads.models.layouts.folder import read_drafter, read_metadata
 
     plain = SpeculativeDecoder(verifier, first_token="prefill").generate(prompts, max_new_tokens, eos_token_id=None)
-    reports, cases, ours_runs = [], [], []
+    reports, cases, runs = [], [], []
     for draft in drafts:
         folder = Path(draft)
-        vllm_method, speculators = detect_method(folder)
-        vllm_method = method or vllm_method
-        report = Report(draft, vllm_method or "eagle3 (speculators)", ours=False)
-        ours = None
-        options = {}
-        try:
-            config, _ = read_drafter(folder)
-            meta = read_metadata(config, folder / "config.json")
-            kind = meta.get("method", "")
-            if (meta.get("eagle") or {}).get("parallel"):  # vLLM drafts in parallel only when asked
-                options["parallel_drafting"] = True
-                report.notes.append("a parallel drafter: served with speculative_config parallel_drafting: true")
-            engine_method = "medusa" if kind == "medusa" else "eagle"
-            dec = build_decoder(verifier, draft=str(folder), method=engine_method,
-                                                     first_token="prefill",
-                                                     chain=k if engine_method == "eagle" else True)
+        detected, speculators = detect_method(folder)
+        vllm_method = method or detected or "eagle3"
+        subject = READERS[vllm_method](folder, verifier, k, dtype)
+        report = Report(draft, vllm_method if not subject.serve_drafter else "eagle3 (speculators)",
+                        kind=subject.kind, findings=list(subject.findings), unjudged=subject.unjudged,
+                        notes=list(subject.notes))
+        ours = trained = None
+        if subject.served is not None:
+            dec, ours = decode_ours(verifier, subject.served, vllm_method, prompts, max_new_tokens, k)
             if dec.drafter.num_draft_tokens != k:
                 report.notes.append(f"draftheads drafts {dec.drafter.num_draft_tokens} tokens a step here (the "
                                     f"heads it has), vLLM {k}")
-            ours = dec.generate(prompts, max_new_tokens, eos_token_id=None)
-            report.ours = True
-        except (DrafterFormatError, ValueError) as err:
-            report.notes.append(f"draftheads does not read this folder ({err}); checking vLLM's outputs only")
+        if subject.trained is not None:
+            trained = decode_ours(verifier, subject.trained, vllm_method, prompts, max_new_tokens, k)[1]
         reports.append(report)
-        ours_runs.append(ours)
+        runs.append((ours, trained))
         cases.append(VllmCase(folder.name, str(verifier.path), str(folder), vllm_method, batches=[prompts], k=k,
-                              dtype=dtype, max_tokens=max_new_tokens, serve_drafter=speculators and method is None,
+                              dtype=dtype, max_tokens=max_new_tokens, serve_drafter=subject.serve_drafter,
                               max_model_len=max(map(len, prompts)) + max_new_tokens + 2 * k + 8,
-                              speculative_options=options))
+                              speculative_options=subject.options))
     say(f"[serve-check] running {len(cases)} drafter(s) in vLLM")
     result = run_vllm(cases)
-    for report, ours, theirs in zip(reports, ours_runs, result["cases"]):
+    for report, (ours, trained), theirs in zip(reports, runs, result["cases"]):
         report.loaded = theirs["ok"]
         if not theirs["ok"]:
             report.error = theirs.get("error")
@@ -148,37 +251,51 @@ def check(verifier, drafts: list[str], prompts: list[list[int]], max_new_tokens:
         if ours is not None:
             report.accepted_ours = per_position(ours.stats.accepted, k)
             report.steps_equal = [a == b for a, b in zip(ours.stats.accepted, batch["per_step_accepted"])]
+        if trained is not None:
+            report.accepted_trained = per_position(trained.stats.accepted, k)
     return reports
 
 
 def render(report: Report, k: int) -> list[str]:
-    lines = [f"== {report.draft} (vLLM method {report.method}; "
-             f"{'draftheads export' if report.ours else 'not a draftheads export'})"]
+    lines = [f"== {report.draft} (vLLM method {report.method}; {report.kind} folder)"]
     lines += [f"   note: {n}" for n in report.notes]
+    lines += [f"   DISAGREES {f}" for f in report.findings]
     if not report.loaded:
         lines.append(f"   vLLM REFUSED it: {report.error}")
-        lines.append(f"VERDICT {report.draft}: FAIL - vLLM does not load this drafter")
+        lines.append(f"VERDICT {report.draft}: FAIL - vLLM does not load this drafter"
+                     + (f" ({len(report.findings)} field(s) read otherwise than trained)" if report.findings else ""))
         return lines
     lines.append("   loaded in vLLM")
+    ours = report.unjudged is None
     for i, (equal, at) in enumerate(zip(report.outputs_equal, report.first_difference)):
-        same = "" if not report.ours else ("; accepted per step: same" if report.steps_equal[i]
-                                           else "; accepted per step: DIFFERENT")
+        same = "" if not ours else ("; accepted per step: same" if report.steps_equal[i]
+                                    else "; accepted per step: DIFFERENT")
         lines.append(f"   prompt {i}: output {'equals plain greedy' if equal else f'DIFFERS at token {at}'}{same}")
-    lines.append(f"   position  {'draftheads':>10}  {'vLLM':>6}   (steps accepting at least k; {report.drafts} drafts)")
+    trained = bool(report.accepted_trained)
+    lines.append(f"   position  {'draftheads':>10}  {'vLLM':>6}" + (f"  {'as trained':>10}" if trained else "")
+                 + f"   (steps accepting at least k; {report.drafts} drafts)")
     for i in range(k):
-        mine = f"{report.accepted_ours[i]:>10}" if report.ours else f"{'-':>10}"
-        lines.append(f"   k={i + 1:<7}  {mine}  {report.accepted_vllm[i]:>6}")
-    if report.passed:
-        tail = "and accepts exactly what draftheads accepts" if report.ours else "(acceptance not compared: not ours)"
-        lines.append(f"VERDICT {report.draft}: PASS - vLLM loads it, its outputs equal plain greedy decoding on "
-                     f"{len(report.outputs_equal)} of {len(report.outputs_equal)} prompts, {tail}")
+        mine = f"{report.accepted_ours[i]:>10}" if ours else f"{'-':>10}"
+        extra = f"  {report.accepted_trained[i]:>10}" if trained else ""
+        lines.append(f"   k={i + 1:<7}  {mine}  {report.accepted_vllm[i]:>6}{extra}")
+    if report.unjudged is not None:
+        lines.append(f"VERDICT {report.draft}: NOT JUDGED - {report.unjudged}")
+    elif report.passed:
+        lines.append(f"VERDICT {report.draft}: PASS - vLLM reads it as trained, its outputs equal plain greedy "
+                     f"decoding on {len(report.outputs_equal)} of {len(report.outputs_equal)} prompts, and it accepts "
+                     "exactly what draftheads accepts reading it the same way")
     else:
         why = []
+        if report.findings:
+            keys = ", ".join(f.split(":")[0] for f in report.findings)
+            why.append(f"config.json disagrees with how it was trained ({keys})"
+                       + (f": vLLM accepts {sum(report.accepted_vllm)} draft tokens, the drafter as trained "
+                          f"{sum(report.accepted_trained)}" if trained else ""))
         if not all(report.outputs_equal):
             why.append(f"outputs differ from plain greedy on {report.outputs_equal.count(False)} prompt(s)")
-        if report.ours and not all(report.steps_equal):
-            why.append(f"vLLM accepts {sum(report.accepted_vllm)} draft tokens where draftheads accepts "
-                       f"{sum(report.accepted_ours)} (it reads the drafter differently: layer ids, a weight, a norm)")
+        if not all(report.steps_equal):
+            why.append(f"vLLM accepts {sum(report.accepted_vllm)} draft tokens where draftheads, reading it as vLLM "
+                       f"does, accepts {sum(report.accepted_ours)} (a reading of vLLM's loader that is out of date)")
         lines.append(f"VERDICT {report.draft}: FAIL - " + "; ".join(why))
     return lines
 
