@@ -260,6 +260,8 @@ def render(report: Report, k: int) -> list[str]:
     lines = [f"== {report.draft} (vLLM method {report.method}; {report.kind} folder)"]
     lines += [f"   note: {n}" for n in report.notes]
     lines += [f"   DISAGREES {f}" for f in report.findings]
+    if report.unjudged is not None:
+        lines.append(f"   not decoded here: {report.unjudged}")
     if not report.loaded:
         lines.append(f"   vLLM REFUSED it: {report.error}")
         lines.append(f"VERDICT {report.draft}: FAIL - vLLM does not load this drafter"
@@ -278,7 +280,7 @@ def render(report: Report, k: int) -> list[str]:
         mine = f"{report.accepted_ours[i]:>10}" if ours else f"{'-':>10}"
         extra = f"  {report.accepted_trained[i]:>10}" if trained else ""
         lines.append(f"   k={i + 1:<7}  {mine}  {report.accepted_vllm[i]:>6}{extra}")
-    if report.unjudged is not None:
+    if report.unjudged is not None and not report.findings:
         lines.append(f"VERDICT {report.draft}: NOT JUDGED - {report.unjudged}")
     elif report.passed:
         lines.append(f"VERDICT {report.draft}: PASS - vLLM reads it as trained, its outputs equal plain greedy "
@@ -291,6 +293,8 @@ def render(report: Report, k: int) -> list[str]:
             why.append(f"config.json disagrees with how it was trained ({keys})"
                        + (f": vLLM accepts {sum(report.accepted_vllm)} draft tokens, the drafter as trained "
                           f"{sum(report.accepted_trained)}" if trained else ""))
+        if report.unjudged is not None:
+            why.append(report.unjudged)
         if not all(report.outputs_equal):
             why.append(f"outputs differ from plain greedy on {report.outputs_equal.count(False)} prompt(s)")
         if not all(report.steps_equal):

@@ -112,8 +112,8 @@ class Reading:
         if self.num_layers != 1:
             out.append(f"num_hidden_layers is {self.num_layers}; a draftheads EAGLE-3 drafter has one layer")
         if self.fc_features != len(self.layer_ids) or len(set(self.layer_ids)) != 3:
-            out.append(f"fc takes {self.fc_features} features and the verifier feeds it layers {self.layer_ids}; "
-                       "an EAGLE-3 drafter reads three distinct layers (vLLM fails at the first draft step)")
+            out.append(f"fc takes {self.fc_features} features and vLLM captures layers {self.layer_ids}; a "
+                       "draftheads EAGLE-3 drafter reads three distinct layers")
         for name in NORM_FLAGS:
             if getattr(self, name) and name not in EAGLE_FIELDS:
                 out.append(f"{name} is true; draftheads drafters have no {name} option")
