@@ -1,0 +1,344 @@
+"""The peer bench: draftheads, speculators 0.9.0 and SpecForge 0.2.0 train EAGLE-3 drafters on the same rows with
+the same token budget and matched settings, all three are served in vLLM (CPU) on HumanEval prompts and decoded in
+our engine, and one table says what each delivers. `bash scripts/bench_peers.sh` sets up the environments and
+runs this; run by hand:
+
+    python scripts/bench_peers.py --verifier tiny-micro --out runs/peers-tiny-micro [--peers speculators specforge]
+        [--rows 96] [--seq-len 256] [--epochs 2] [--prompts 16] [--max-new-tokens 64] [-k 3] [--docs docs/peers.md]
+
+In order:
+  1. our rows: the stdlib `drafter` split through our data pipeline, one document per row (truncated to
+     --seq-len, the loss mask ours), --rows of them; every trainer gets exactly these tokens, --epochs times;
+  2. our drafter: `train/eagle.py` with configs/eagle3-tiny.yaml's settings (the verifier's layer ids, draft
+     vocabulary, 7 TTT steps, decay 0.8, AdamW), fp32, warm-up 5% then cosine to 0, features online (the verifier
+     inside each step) and, a second run, offline from our own feature cache;
+  3. the verifier's features, computed once from those rows, written in each peer's format (speculators:
+     `hs_i.safetensors` [T, 4, H] + an Arrow dataset; SpecForge: one `.ckpt` per row) with OUR draft vocabulary map
+     (d2t / t2d read back from our export) and our layer ids;
+  4. each peer's trainer in its own environment (scripts/setup_peers.sh), through its CPU runner in
+     eval/interop/ (patches at run time, each explained there), timed around its training loop;
+  5. `draftheads import-peer --fix` on each peer's folder (every fix it needed is listed), then
+     `draftheads serve-check` on every folder: vLLM's tau and per-position acceptance, and our engine's counts
+     beside vLLM's;
+  6. the table on stdout, in OUT/peers.json, and in --docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ("speculators", "specforge")
+LR, WARMUP, TTT, DECAY, BATCH = 6e-3, 0.05, 7, 0.8, 8
+
+
+def say(*args):
+    print("[bench_peers]", *args, file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, float]:
+    """Run a command (output to `log`); (wall seconds, its peak RSS in MiB, from its own rusage). Exits with the
+    log's tail when it fails."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - t0
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        tail = log.read_text().strip().splitlines()[-15:]
+        raise SystemExit(f"[bench_peers] {' '.join(map(str, cmd[:4]))} ... failed ({code}); {log}:\n"
+                         + "\n".join(tail))
+    return seconds, usage.ru_maxrss / 1024
+
+
+# ---- 1. the rows ---------------------------------------------------------------------------------------------------
+def our_rows(tokenizer, rows: int, seq_len: int) -> list[dict]:
+    """[{input_ids, loss_mask}] one stdlib `drafter` document per row, as our pipeline tokenises it."""
+    from draftheads.data.batching import build_datasets
+    from draftheads.data.config import DataConfig
+
+    train, _ = build_datasets(DataConfig(source="stdlib", seq_len=seq_len, pack=False, max_rows=rows,
+                                         eval_rows=0), tokenizer)
+    out = []
+    for row in train:
+        n = int(row["attention_mask"].sum())
+        out.append({"input_ids": row["input_ids"][:n].long(), "loss_mask": row["loss_mask"][:n].long()})
+    return out
+
+
+# ---- 3. features in the peers' formats -----------------------------------------------------------------------------
+@torch.no_grad()
+def row_features(verifier, ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(aux (T, 3, H): the inputs of `layer_ids`; last (T, H): the last layer's output before the final norm;
+    final (T, H): after it), one verifier forward."""
+    seen = {}
+    hook = verifier.norm.register_forward_pre_hook(lambda module, args: seen.setdefault("last", args[0]))
+    try:
+        feats = verifier.features(ids[None], layer_ids=layer_ids)
+    finally:
+        hook.remove()
+    return torch.stack([x[0] for x in feats.layers], 1), seen["last"][0], feats.final[0]
+
+
+SPECULATORS_VAL_ROWS = 2
+"""speculators holds out the dataset's tail for validation (train_data_ratio < 1 is required): the first rows are
+appended again as that tail, so it trains on exactly our rows."""
+
+
+def dump_speculators(rows, verifier, layer_ids, d2t, t2d, out: Path) -> None:
+    """speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len) saved to disk, and
+    hidden_states/hs_i.safetensors {hidden_states (T, 4, H): the three layers then the last pre-norm state,
+    token_ids (T,)}; the vocabulary maps as d2t-Vd.npy / t2d-Vd.npy."""
+    import datasets
+    import numpy as np
+    from safetensors.torch import save_file
+
+    rows = rows + rows[:SPECULATORS_VAL_ROWS]
+    (out / "hidden_states").mkdir(parents=True, exist_ok=True)
+    for i, row in enumerate(rows):
+        aux, last, _ = row_features(verifier, row["input_ids"], layer_ids)
+        save_file({"hidden_states": torch.cat([aux, last[:, None]], 1).contiguous(),
+                   "token_ids": row["input_ids"].contiguous()}, str(out / "hidden_states" / f"hs_{i}.safetensors"))
+    datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
+                                "loss_mask": [r["loss_mask"].tolist() for r in rows],
+                                "seq_len": [len(r["input_ids"]) for r in rows]}).with_format("torch") \
+        .save_to_disk(str(out))
+    np.save(out / f"d2t-{d2t.numel()}.npy", d2t.numpy())
+    np.save(out / f"t2d-{d2t.numel()}.npy", t2d.numpy())
+
+
+def dump_specforge(rows, verifier, layer_ids, d2t, t2d, out: Path) -> None:
+    """SpecForge's offline layout: one torch-saved dict per row, {input_ids (T,), loss_mask (T,), hidden_state
+    (1, T, H): the final *post*-norm state (its target head is lm_head alone), aux_hidden_state (1, T, 3H)}; the
+    vocabulary maps as one torch-saved {d2t, t2d}."""
+    (out / "features").mkdir(parents=True, exist_ok=True)
+    for i, row in enumerate(rows):
+        aux, _, final = row_features(verifier, row["input_ids"], layer_ids)
+        torch.save({"input_ids": row["input_ids"], "loss_mask": row["loss_mask"], "hidden_state": final[None],
+                    "aux_hidden_state": aux.flatten(1)[None]}, out / "features" / f"data_{i:06d}.ckpt")
+    torch.save({"d2t": d2t, "t2d": t2d}, out / "vocab_mapping.pt")
+
+
+# ---- 2 and 4. the trainers -----------------------------------------------------------------------------------------
+def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: str) -> dict:
+    steps = max(1, math.ceil(args.epochs * tokens / (BATCH * args.seq_len)))
+    run_dir = out / f"draftheads-{features}"
+    cmd = [sys.executable, "-m", "draftheads.train.eagle", "--config", str(ROOT / "configs/eagle3-tiny.yaml"),
+           f"--verifier={args.verifier}", f"--output_dir={run_dir}", f"--data.max_rows={args.rows}",
+           f"--data.seq_len={args.seq_len}", "--data.eval_rows=4", f"--train.max_steps={steps}",
+           f"--train.batch_size={BATCH}", f"--train.lr={LR}", f"--train.warmup_steps={max(1, round(WARMUP * steps))}",
+           "--train.min_lr_ratio=0.0", "--train.mixed_precision=no", "--train.save_every=0", "--train.eval_every=0",
+           f"--eagle.layer_ids={json.dumps(layer_ids)}", f"--eagle.draft_vocab_size={vocab}",
+           f"--eagle.ttt_steps={TTT}", f"--eagle.decay={DECAY}", "--wandb.enabled=false", "--train.resume=none"]
+    if features == "offline":
+        cache = out / "draftheads-cache"  # a rerun skips the shards already written
+        dump = [sys.executable, "-m", "draftheads.train.dump_features", "--dtype", "float32", "--out", str(cache),
+                *cmd[3:]]
+        seconds, _ = run(dump, out / "draftheads-dump.log")
+        say(f"our feature cache: {seconds:.0f} s")
+        cmd += ["--features=offline", f"--feature_cache={cache}"]
+    seconds, rss = run(cmd, out / f"draftheads-{features}.log")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [m["train/tokens_per_s"] for m in metrics if "train/tokens_per_s" in m]
+    return {"folder": str(run_dir / "drafter"), "steps": steps, "wall_s": seconds, "peak_rss_mib": rss,
+            "tokens_per_s": sum(rates) / len(rates) if rates else None,
+            "how": f"features {features}, {steps} steps of {BATCH} x {args.seq_len} packed tokens"}
+
+
+def train_speculators(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int) -> dict:
+    python = ROOT / ".venv-speculators/bin/python"
+    save = out / "speculators-run"
+    report = out / "speculators-report.json"
+    per_step = BATCH * args.seq_len
+    flags = ["--verifier-name-or-path", str(args.verifier_path), "--data-path", str(data),
+             "--speculator-type", "eagle3", "--num-layers", "1", "--draft-arch", "llama",
+             "--target-layer-ids", *map(str, layer_ids), "--draft-vocab-size", str(vocab),
+             "--d2t-path", str(data / f"d2t-{vocab}.npy"), "--t2d-path", str(data / f"t2d-{vocab}.npy"),
+             "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",  # plain EAGLE-3, as ours
+             "--sliding-window", str(args.seq_len * 4), "--draft-attn-impl", "sdpa",
+             "--loss-implementation", "eager", "--num-workers", "0", "--hidden-states-dtype", "float32",
+             "--total-seq-len", str(per_step),
+             "--train-data-ratio", str((args.rows + 0.5) / (args.rows + SPECULATORS_VAL_ROWS)), "--ttt-steps", str(TTT),
+             "--ttt-step-loss-decay", str(DECAY), "--optimizer", "adamw", "--lr", str(LR), "--weight-decay", "0.0",
+             "--scheduler-type", "cosine", "--scheduler-warmup-ratio", str(WARMUP), "--epochs", str(args.epochs),
+             "--save-path", str(save), "--no-resume-from-checkpoint",
+             "--log-dir", str(out / "speculators-logs"), "--seed", "0"]
+    seconds, rss = run([str(python), str(ROOT / "eval/interop/speculators_runner.py"), str(report), "--", *flags],
+                       out / "speculators.log", env={"CUDA_VISIBLE_DEVICES": ""})
+    rep = json.loads(report.read_text())
+    last = sorted((p for p in save.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))[-1]
+    return {"folder": str(last), "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
+            "tokens_per_s": rep["tokens"] / rep["seconds"] if rep.get("seconds") else None,
+            "tokens": rep["tokens"],
+            "how": f"features offline (hs_i.safetensors), rows packed into {per_step}-token sequences with document "
+                   "masks, eager loss, sdpa"}
+
+
+def train_specforge(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, rows: int) -> dict:
+    python = ROOT / ".venv-specforge/bin/python"
+    report = out / "specforge-report.json"
+    seconds, rss = run([str(python), str(ROOT / "eval/interop/specforge_runner.py"), str(report),
+                        "--verifier", str(args.verifier_path), "--features", str(data / "features"),
+                        "--vocab-mapping", str(data / "vocab_mapping.pt"), "--layer-ids", *map(str, layer_ids),
+                        "--draft-vocab-size", str(vocab), "--max-length", str(args.seq_len),
+                        "--epochs", str(args.epochs), "--lr", str(LR), "--warmup-ratio", str(WARMUP),
+                        "--ttt-length", str(TTT), "--decay", str(DECAY), "--accumulation-steps", str(BATCH),
+                        "--out", str(out / "specforge-run")],
+                       out / "specforge.log", env={"SPECFORGE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+    rep = json.loads(report.read_text())
+    return {"folder": rep["export"], "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
+            "tokens_per_s": rep["tokens"] / rep["seconds"] if rep.get("seconds") else None, "tokens": rep["tokens"],
+            "how": f"features offline (.ckpt), one row per micro-batch, {BATCH} accumulated per step, sdpa"}
+
+
+# ---- 5. serve and measure ------------------------------------------------------------------------------------------
+def serve(args, verifier, folders: dict[str, str]) -> dict:
+    from transformers import AutoTokenizer
+
+    from draftheads.data.prompts import load_prompts, prompt_ids
+    from draftheads.eval.interop.serve_check import check
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier.path)
+    prompts = [prompt_ids(p, tokenizer) for p in load_prompts("humaneval", args.prompts)]
+    reports = check(verifier, list(folders.values()), prompts, args.max_new_tokens, args.k, "float32", "eagle3",
+                    say=say)
+    out = {}
+    for name, report in zip(folders, reports):
+        drafts = report.drafts or 0
+        out[name] = {"passed": report.passed, "loaded": report.loaded, "findings": report.findings,
+                     "unjudged": report.unjudged, "error": report.error, "drafts": drafts,
+                     "accepted_per_pos": report.accepted_vllm, "accepted_ours": report.accepted_ours,
+                     "tau": 1 + sum(report.accepted_vllm) / drafts if drafts else None,
+                     "per_pos": [a / drafts for a in report.accepted_vllm] if drafts else None}
+    return out
+
+
+def import_peer(verifier, folder: str, out: Path) -> tuple[str, list[str], list[str]]:
+    """(the fixed folder, the fixes, the notes) from `draftheads import-peer --fix`."""
+    from draftheads.eval.interop.peer_folder import findings, fix, inspect
+
+    ins = inspect(folder, verifier)
+    fixed = fix(ins, out, verifier)
+    return str(fixed), [f.line() for f in findings(ins)], ins.notes
+
+
+# ---- 6. the table --------------------------------------------------------------------------------------------------
+def table(results: dict, k: int) -> str:
+    lines = ["| trainer | tau in vLLM | per-position acceptance | training tokens/s | how it ran | peak RSS | "
+             "fixes its folder needed |",
+             "|---|---:|---|---:|---|---:|---|"]
+    for name, r in results.items():
+        s = r.get("served") or {}
+        tau = f"{s['tau']:.3f}" if s.get("tau") else "-"
+        pos = " / ".join(f"{p:.3f}" for p in s["per_pos"]) if s.get("per_pos") else "-"
+        rate = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
+        fixes = "; ".join(r.get("fixes") or []) or "none"
+        lines.append(f"| {name} | {tau} | {pos} | {rate} | {r.get('how', '')} | {r.get('peak_rss_mib', 0):.0f} MiB | "
+                     f"{fixes} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--verifier", default="tiny-micro")
+    p.add_argument("--out", required=True)
+    p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
+    p.add_argument("--rows", type=int, default=96)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("-k", type=int, default=3)
+    p.add_argument("--docs", help="also write the table and the settings into this markdown file")
+    p.add_argument("--no-offline", action="store_true", help="skip our trainer's offline-feature run")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    from draftheads.models.verifier import Verifier, resolve_verifier
+
+    args.verifier_path = resolve_verifier(args.verifier)
+    verifier = Verifier.from_pretrained(args.verifier_path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(verifier.path)
+    layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
+    vocab = min(2048, verifier.vocab_size // 2)
+    rows = our_rows(tokenizer, args.rows, args.seq_len)
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    say(f"{len(rows)} rows, {tokens} tokens ({args.epochs} epochs: {args.epochs * tokens}); layer ids {layer_ids}, "
+        f"draft vocabulary {vocab}")
+
+    results = {}
+    say("draftheads, features online")
+    results["draftheads (online)"] = train_ours(args, out, layer_ids, vocab, tokens, "online")
+    if not args.no_offline:
+        say("draftheads, features offline")
+        results["draftheads (offline)"] = train_ours(args, out, layer_ids, vocab, tokens, "offline")
+    from safetensors.torch import load_file
+
+    ours = load_file(Path(results["draftheads (online)"]["folder"]) / "model.safetensors")
+    d2t, t2d = ours["d2t"], ours["t2d"]  # our draft vocabulary map, handed to the peers
+    for peer in args.peers:
+        data = out / f"{peer}-data"
+        if not (data / ".done").exists():
+            say(f"features for {peer}")
+            t0 = time.perf_counter()
+            (dump_speculators if peer == "speculators" else dump_specforge)(rows, verifier, layer_ids, d2t, t2d, data)
+            (data / ".done").write_text(f"{time.perf_counter() - t0:.1f}")
+        say(f"{peer} trains")
+        if peer == "speculators":
+            r = train_speculators(args, out, data, layer_ids, vocab, tokens)
+        else:
+            r = train_specforge(args, out, data, layer_ids, vocab, tokens, len(rows))
+        r["raw_folder"] = r["folder"]
+        r["folder"], r["fixes"], r["notes"] = import_peer(verifier, r["raw_folder"], out / f"{peer}-fixed")
+        results[f"{peer} {'0.9.0' if peer == 'speculators' else '0.2.0'}"] = r
+
+    folders = {name: r["folder"] for name, r in results.items()}
+    folders.update({f"{name} as exported": r["raw_folder"] for name, r in results.items() if "raw_folder" in r})
+    served = serve(args, verifier, folders)
+    for name, r in results.items():
+        r["served"] = served[name]
+        if "raw_folder" in r:
+            r["served_as_exported"] = served[f"{name} as exported"]
+    text = table(results, args.k)
+    print(text)
+    summary = {"verifier": args.verifier, "rows": len(rows), "tokens": tokens, "epochs": args.epochs,
+               "layer_ids": layer_ids, "draft_vocab_size": vocab, "k": args.k, "prompts": args.prompts,
+               "max_new_tokens": args.max_new_tokens, "results": results}
+    (out / "peers.json").write_text(json.dumps(summary, indent=1, default=str))
+    if args.docs:
+        write_docs(Path(args.docs), summary, text)
+    return 0
+
+
+def write_docs(path: Path, summary: dict, text: str) -> None:
+    """Replace this verifier's section of the page (or add it)."""
+    marker = f"<!-- bench_peers {summary['verifier']} -->"
+    section = (f"{marker}\n### {summary['verifier']}\n\n{summary['rows']} rows, {summary['tokens']} tokens, "
+               f"{summary['epochs']} epochs; layer ids {summary['layer_ids']}, draft vocabulary "
+               f"{summary['draft_vocab_size']}; {summary['prompts']} HumanEval prompts, {summary['max_new_tokens']} "
+               f"new tokens, k = {summary['k']}, T = 0.\n\n{text}\n{marker}\n")
+    page = path.read_text() if path.exists() else ""
+    if marker in page:
+        before, _, rest = page.partition(marker)
+        _, _, after = rest.partition(marker + "\n")
+        page = before + section + after
+    else:
+        page = page.rstrip("\n") + "\n\n" + section
+    path.write_text(page)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
