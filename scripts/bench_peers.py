@@ -7,8 +7,9 @@ runs this; run by hand:
         [--rows 96] [--seq-len 256] [--epochs 2] [--prompts 16] [--max-new-tokens 64] [-k 3] [--docs docs/peers.md]
 
 In order:
-  1. our rows: the stdlib `drafter` split through our data pipeline, one document per row (truncated to
-     --seq-len, the loss mask ours), --rows of them; every trainer gets exactly these tokens, --epochs times;
+  1. our rows: --rows stdlib `drafter` files, each cut to its first --seq-len tokens and written to OUT/docs.jsonl,
+     then tokenised by our data pipeline (one document per row, the loss mask ours); every trainer gets exactly
+     these tokens, --epochs times (ours packs the documents into rows of --seq-len);
   2. our drafter: `train/eagle.py` with configs/eagle3-tiny.yaml's settings (the verifier's layer ids, draft
      vocabulary, 7 TTT steps, decay 0.8, AdamW), fp32, warm-up 5% then cosine to 0, features online (the verifier
      inside each step) and, a second run, offline from our own feature cache;
@@ -62,17 +63,43 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, floa
 
 
 # ---- 1. the rows ---------------------------------------------------------------------------------------------------
-def our_rows(tokenizer, rows: int, seq_len: int) -> list[dict]:
-    """[{input_ids, loss_mask}] one stdlib `drafter` document per row, as our pipeline tokenises it."""
+HELDOUT_DOCS = 4
+"""Documents after the training rows in docs.jsonl: our trainer holds a file source's last rows out for its
+held-out evaluation, so the rows it trains on are exactly the others."""
+
+
+def write_docs_jsonl(tokenizer, rows: int, seq_len: int, out: Path) -> Path:
+    """The bench's documents: the first `rows` + HELDOUT_DOCS stdlib `drafter` files, each cut to its first
+    `seq_len` tokens by our pipeline and written back as text, so every trainer reads whole documents of at most
+    about seq_len tokens (ours packs them; the peers take one per row)."""
     from draftheads.data.batching import build_datasets
     from draftheads.data.config import DataConfig
 
-    train, _ = build_datasets(DataConfig(source="stdlib", seq_len=seq_len, pack=False, max_rows=rows,
-                                         eval_rows=0), tokenizer)
+    train, _ = build_datasets(DataConfig(source="stdlib", seq_len=seq_len - 1, pack=False,
+                                         max_rows=rows + HELDOUT_DOCS, eval_rows=0), tokenizer)
+    path = out / "docs.jsonl"
+    with open(path, "w") as f:
+        for i, row in enumerate(train):
+            n = int(row["attention_mask"].sum())
+            text = tokenizer.decode(row["input_ids"][:n].tolist(), skip_special_tokens=True)
+            f.write(json.dumps({"text": text, "origin": f"stdlib-doc-{i}"}) + "\n")
+    return path
+
+
+def our_rows(tokenizer, docs: Path, rows: int, seq_len: int) -> list[dict]:
+    """[{input_ids, loss_mask}] one document per row, as our pipeline tokenises docs.jsonl (the training rows)."""
+    from draftheads.data.batching import build_datasets
+    from draftheads.data.config import DataConfig
+
+    train, _ = build_datasets(DataConfig(source=str(docs), seq_len=2 * seq_len, pack=False, strict=True,
+                                         eval_rows=HELDOUT_DOCS), tokenizer)
     out = []
     for row in train:
         n = int(row["attention_mask"].sum())
         out.append({"input_ids": row["input_ids"][:n].long(), "loss_mask": row["loss_mask"][:n].long()})
+    expected = len(docs.read_text().splitlines()) - HELDOUT_DOCS
+    if len(out) != expected:
+        raise SystemExit(f"[bench_peers] {docs}: {len(out)} training rows, expected {expected}")
     return out
 
 
@@ -134,8 +161,8 @@ def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: st
     steps = max(1, math.ceil(args.epochs * tokens / (BATCH * args.seq_len)))
     run_dir = out / f"draftheads-{features}"
     cmd = [sys.executable, "-m", "draftheads.train.eagle", "--config", str(ROOT / "configs/eagle3-tiny.yaml"),
-           f"--verifier={args.verifier}", f"--output_dir={run_dir}", f"--data.max_rows={args.rows}",
-           f"--data.seq_len={args.seq_len}", "--data.eval_rows=4", f"--train.max_steps={steps}",
+           f"--verifier={args.verifier}", f"--output_dir={run_dir}", f"--data.source={out / 'docs.jsonl'}",
+           f"--data.seq_len={args.seq_len}", f"--data.eval_rows={HELDOUT_DOCS}", f"--train.max_steps={steps}",
            f"--train.batch_size={BATCH}", f"--train.lr={LR}", f"--train.warmup_steps={max(1, round(WARMUP * steps))}",
            "--train.min_lr_ratio=0.0", "--train.mixed_precision=no", "--train.save_every=0", "--train.eval_every=0",
            f"--eagle.layer_ids={json.dumps(layer_ids)}", f"--eagle.draft_vocab_size={vocab}",
@@ -184,21 +211,42 @@ def train_speculators(args, out: Path, data: Path, layer_ids, vocab: int, tokens
                    "masks, eager loss, sdpa"}
 
 
-def train_specforge(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, rows: int) -> dict:
+def train_specforge(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, verifier) -> dict:
+    import yaml
+
+    from draftheads.models.eagle import EagleConfig
+    from draftheads.models.eagle.drafter import Eagle3Drafter
+    from draftheads.models.layouts import llama_draft
+
     python = ROOT / ".venv-specforge/bin/python"
-    report = out / "specforge-report.json"
+    report, run_dir = out / "specforge-report.json", out / "specforge-run"
+    # the draft config, explicit (SpecForge's default draft vocabulary is 32000): our drafter's layer as a Llama
+    # config, the capture layers in SGLang's convention (the layer whose output is the feature: ours - 1)
+    probe = Eagle3Drafter(verifier, EagleConfig(layer_ids=layer_ids, draft_vocab_size=None, init_from_verifier=False))
+    draft = {**llama_draft.config(probe), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": vocab,
+             "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layer_ids]}}
+    (out / "specforge-draft.json").write_text(json.dumps(draft, indent=1))
+    run_cfg = {"model": {"target_model_path": str(args.verifier_path), "draft_model_config": str(out / "specforge-draft.json"),
+                         "vocab_mapping_path": str(data / "vocab_mapping.pt"), "aux_hidden_state_layer_ids":
+                         [i - 1 for i in layer_ids], "torch_dtype": "float32"},
+               "data": {"hidden_states_path": str(data / "features"), "max_length": args.seq_len},
+               "training": {"num_epochs": args.epochs, "batch_size": 1, "accumulation_steps": BATCH,
+                            "fsdp_sharding": "NO_SHARD", "learning_rate": LR, "warmup_ratio": WARMUP,
+                            "lr_scheduler": "cosine", "ttt_length": TTT, "attention_backend": "sdpa",
+                            "log_interval": 10, "seed": 0},
+               "output_dir": str(run_dir)}
+    (out / "specforge-run.yaml").write_text(yaml.safe_dump(run_cfg))
+    export = out / "specforge-export"
     seconds, rss = run([str(python), str(ROOT / "eval/interop/specforge_runner.py"), str(report),
-                        "--verifier", str(args.verifier_path), "--features", str(data / "features"),
-                        "--vocab-mapping", str(data / "vocab_mapping.pt"), "--layer-ids", *map(str, layer_ids),
-                        "--draft-vocab-size", str(vocab), "--max-length", str(args.seq_len),
-                        "--epochs", str(args.epochs), "--lr", str(LR), "--warmup-ratio", str(WARMUP),
-                        "--ttt-length", str(TTT), "--decay", str(DECAY), "--accumulation-steps", str(BATCH),
-                        "--out", str(out / "specforge-run")],
-                       out / "specforge.log", env={"SPECFORGE_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""})
+                        str(out / "specforge-run.yaml"), str(out / "specforge-draft.json"), str(export)],
+                       out / "specforge.log", env={"SPECFORGE_DEVICE": "cpu", "TORCHDYNAMO_DISABLE": "1",
+                                                   "CUDA_VISIBLE_DEVICES": ""})
     rep = json.loads(report.read_text())
-    return {"folder": rep["export"], "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
-            "tokens_per_s": rep["tokens"] / rep["seconds"] if rep.get("seconds") else None, "tokens": rep["tokens"],
-            "how": f"features offline (.ckpt), one row per micro-batch, {BATCH} accumulated per step, sdpa"}
+    trained = args.epochs * tokens  # every row whole (max_length = --seq-len), once per epoch
+    return {"folder": str(export), "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
+            "tokens_per_s": trained / rep["seconds"] if rep.get("seconds") else None, "tokens": trained,
+            "how": f"features offline (.ckpt), one row per micro-batch (padded), {BATCH} accumulated per step, "
+                   "eager KL loss, sdpa, NO_SHARD, gloo"}
 
 
 # ---- 5. serve and measure ------------------------------------------------------------------------------------------
@@ -234,17 +282,25 @@ def import_peer(verifier, folder: str, out: Path) -> tuple[str, list[str], list[
 
 # ---- 6. the table --------------------------------------------------------------------------------------------------
 def table(results: dict, k: int) -> str:
-    lines = ["| trainer | tau in vLLM | per-position acceptance | training tokens/s | how it ran | peak RSS | "
-             "fixes its folder needed |",
-             "|---|---:|---|---:|---|---:|---|"]
+    lines = ["| trainer | tau in vLLM | acceptance at k = 1 .. {k} | training tokens/s | how it trained | peak RSS "
+             "| its folder as exported, in vLLM | fixes `import-peer --fix` made |".format(k=k),
+             "|---|---:|---|---:|---|---:|---|---|"]
     for name, r in results.items():
         s = r.get("served") or {}
         tau = f"{s['tau']:.3f}" if s.get("tau") else "-"
         pos = " / ".join(f"{p:.3f}" for p in s["per_pos"]) if s.get("per_pos") else "-"
         rate = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "-"
-        fixes = "; ".join(r.get("fixes") or []) or "none"
-        lines.append(f"| {name} | {tau} | {pos} | {rate} | {r.get('how', '')} | {r.get('peak_rss_mib', 0):.0f} MiB | "
-                     f"{fixes} |")
+        raw = r.get("served_as_exported")
+        if raw is None:
+            as_exported = "(is the served folder)"
+        elif not raw.get("loaded"):
+            as_exported = f"refused: {raw.get('error', '')[:80]}"
+        else:
+            as_exported = f"tau {raw['tau']:.3f}" if raw.get("tau") else "-"
+        fixes = "; ".join(f.split(": vLLM reads")[0] for f in r.get("fixes") or []) or "none"
+        check = "" if s.get("passed") else " (serve-check: FAIL)"
+        lines.append(f"| {name} | {tau}{check} | {pos} | {rate} | {r.get('how', '')} | {r.get('peak_rss_mib', 0):.0f} "
+                     f"MiB | {as_exported} | {fixes} |")
     return "\n".join(lines)
 
 
@@ -274,7 +330,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)
     layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
     vocab = min(2048, verifier.vocab_size // 2)
-    rows = our_rows(tokenizer, args.rows, args.seq_len)
+    rows = our_rows(tokenizer, write_docs_jsonl(tokenizer, args.rows, args.seq_len, out), args.rows, args.seq_len)
+    args.rows = len(rows)  # the stdlib split may hold fewer usable files than asked for
     tokens = sum(len(r["input_ids"]) for r in rows)
     say(f"{len(rows)} rows, {tokens} tokens ({args.epochs} epochs: {args.epochs * tokens}); layer ids {layer_ids}, "
         f"draft vocabulary {vocab}")
@@ -300,7 +357,7 @@ def main(argv=None) -> int:
         if peer == "speculators":
             r = train_speculators(args, out, data, layer_ids, vocab, tokens)
         else:
-            r = train_specforge(args, out, data, layer_ids, vocab, tokens, len(rows))
+            r = train_specforge(args, out, data, layer_ids, vocab, tokens, verifier)
         r["raw_folder"] = r["folder"]
         r["folder"], r["fixes"], r["notes"] = import_peer(verifier, r["raw_folder"], out / f"{peer}-fixed")
         results[f"{peer} {'0.9.0' if peer == 'speculators' else '0.2.0'}"] = r

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The peer bench, end to end from a clean clone: draftheads, speculators 0.9.0 and SpecForge 0.2.0 train EAGLE-3 on
+# the same rows with matched settings, vLLM (CPU) serves all three, and one table per verifier lands in
+# docs/peers.md (what the bench does and what it matches: scripts/bench_peers.py's docstring and docs/peers.md).
+#   bash scripts/bench_peers.sh                          # tiny-micro, then tiny-code (built on first use)
+#   bash scripts/bench_peers.sh tiny-micro /path/to/verifier
+#   BENCH_PEERS_ARGS="--rows 48 --epochs 1" bash scripts/bench_peers.sh tiny-micro    # a quicker run
+# Opt-in, not part of the test suite: about 15 minutes for tiny-micro on two cores, more for tiny-code.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# shellcheck disable=SC1091
+source scripts/setup_env.sh
+bash scripts/setup_vllm.sh
+bash scripts/setup_peers.sh
+verifiers=("$@")
+[ ${#verifiers[@]} -gt 0 ] || verifiers=(tiny-micro tiny-code)
+for verifier in "${verifiers[@]}"; do
+  out=runs/peers-$(basename "$verifier")
+  echo "[bench_peers] $verifier -> $out"
+  # shellcheck disable=SC2086
+  nice -n 10 python scripts/bench_peers.py --verifier "$verifier" --out "$out" --docs docs/peers.md ${BENCH_PEERS_ARGS:-}
+done
