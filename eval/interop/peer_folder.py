@@ -241,6 +241,10 @@ def compare(served: Reading, trained: Reading) -> list[Finding]:
         out.append(Finding("embed_tokens.weight", "the file's copy of the verifier's embedding as the drafter's own "
                            "(it is not equal to the verifier's, e.g. rounded to bf16)",
                            "the verifier's embedding", "leave it out (vLLM then shares the verifier's)"))
+    if served.dropped and not trained.norm_before_fc:
+        out.append(Finding(", ".join(served.dropped), "nothing: it drops the weight (norm_before_fc is false)",
+                           "a norm the drafter applied before fc (its config.json does not say norm_before_fc)",
+                           None))
     if served.uninitialised:
         out.append(Finding(", ".join(served.uninitialised[:3]), "weights the file lacks, left at their initial "
                            "values", "trained weights", None))

@@ -72,6 +72,8 @@ class Reading:
     """The tensors the reader loads, under our module names (layers.0.*, fc.*, norm.*, lm_head.*, fc_norm.*)."""
     uninitialised: list[str] = field(default_factory=list)
     """Weights the reader builds but the file lacks (vLLM leaves them at their initial values)."""
+    dropped: list[str] = field(default_factory=list)
+    """Weights in the file the reader skips without a word."""
     refused: str | None = None
     """Why the reader refuses the folder (vLLM fails the load), else None."""
     parallel: bool = False
@@ -250,7 +252,8 @@ def vllm_reading(config: dict, tensors: dict[str, torch.Tensor], verifier, paral
             continue
         name = name.replace(MIDLAYER, llama_draft.LAYER)
         if name.startswith("input_norm.") and not flags["norm_before_fc"]:
-            continue  # vLLM drops it without a word
+            reading.dropped.append(name)  # vLLM drops it without a word
+            continue
         weights[name] = tensor
     if draft_vocab < V and reading.d2t is None:  # vLLM's map stays zero: draft id i is target id i
         reading.d2t = torch.zeros(draft_vocab, dtype=torch.long)

@@ -158,6 +158,11 @@ def test_what_cannot_be_fixed_is_named(verifier, tmp_path):
     save_file(tensors, str(folder / "model.safetensors"))
     with pytest.raises(PeerFolderError, match="norm_before_fc is true; draftheads drafters have no norm_before_fc"):
         fix(inspect(folder, verifier), tmp_path / "b", verifier)
+    config = json.loads((folder / "config.json").read_text())
+    config["norm_before_fc"] = False  # the weight stays: vLLM drops it without a word
+    (folder / "config.json").write_text(json.dumps(config))
+    dropped = [f for f in findings(inspect(folder, verifier)) if f.key == "input_norm.weight"]
+    assert len(dropped) == 1 and dropped[0].fix is None and "drops the weight" in dropped[0].vllm
 
 
 def test_our_export_edited_after_training(verifier, tmp_path):
