@@ -89,8 +89,9 @@ class Reading:
         Unreadable when no draftheads drafter does."""
         if self.refused:
             raise Unreadable(f"it is refused ({self.refused})")
-        for reason in self.unsupported(verifier):
-            raise Unreadable(reason)
+        reasons = self.unsupported(verifier)
+        if reasons:
+            raise Unreadable(reasons[0])
         flags = {name: getattr(self, name) for name in NORM_FLAGS if name in EAGLE_FIELDS}
         cfg = EagleConfig(version=3, layer_ids=list(self.layer_ids), draft_vocab_size=None,
                           qkv_bias=self.attention_bias, init_from_verifier=False, parallel=self.parallel,

@@ -184,7 +184,8 @@ def test_our_export_edited_after_training(verifier, tmp_path):
 def test_vllm_reading_rules():
     """Model Runner V2's layer ids (sorted, deduplicated, its default for L layers) and the speculators format's
     norm_before_residual default."""
-    assert vllm_layer_ids({}, 4) == ([1, 2], vllm_layer_ids({}, 4)[1])  # (2, 2, 1): two features for a 3-wide fc
+    ids, source = vllm_layer_ids({}, 4)
+    assert ids == [1, 2] and source.startswith("vLLM's default")  # (2, 2, 1): two features for a 3-wide fc
     assert vllm_layer_ids({"eagle_aux_hidden_state_layer_ids": [3, 1, 2]}, 8)[0] == [1, 2, 3]
     assert vllm_layer_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}, 8)[0] == [2, 4, 5]
     assert vllm_flags({"speculators_config": {}})["norm_before_residual"] is True
