@@ -69,20 +69,24 @@ held-out evaluation, so the rows it trains on are exactly the others."""
 
 
 def write_docs_jsonl(tokenizer, rows: int, seq_len: int, out: Path) -> Path:
-    """The bench's documents: the first `rows` + HELDOUT_DOCS stdlib `drafter` files, each cut to its first
-    `seq_len` tokens by our pipeline and written back as text, so every trainer reads whole documents of at most
-    about seq_len tokens (ours packs them; the peers take one per row)."""
+    """The bench's documents: the first `rows` (less up to BATCH - 1) + HELDOUT_DOCS stdlib `drafter` files, each
+    cut to its first `seq_len` tokens by our pipeline and written back as text, so every trainer reads whole
+    documents of at most about seq_len tokens (ours packs them; the peers take one per row)."""
     from draftheads.data.batching import build_datasets
     from draftheads.data.config import DataConfig
 
     train, _ = build_datasets(DataConfig(source="stdlib", seq_len=seq_len - 1, pack=False,
                                          max_rows=rows + HELDOUT_DOCS, eval_rows=0), tokenizer)
+    lines = []
+    for i, row in enumerate(train):
+        n = int(row["attention_mask"].sum())
+        text = tokenizer.decode(row["input_ids"][:n].tolist(), skip_special_tokens=True)
+        lines.append(json.dumps({"text": text, "origin": f"stdlib-doc-{i}"}))
+    # a whole number of optimizer steps of BATCH rows (SpecForge refuses a last, incomplete accumulation)
+    training = len(lines) - HELDOUT_DOCS
+    lines = lines[: training - training % BATCH] + lines[training:]
     path = out / "docs.jsonl"
-    with open(path, "w") as f:
-        for i, row in enumerate(train):
-            n = int(row["attention_mask"].sum())
-            text = tokenizer.decode(row["input_ids"][:n].tolist(), skip_special_tokens=True)
-            f.write(json.dumps({"text": text, "origin": f"stdlib-doc-{i}"}) + "\n")
+    path.write_text("\n".join(lines) + "\n")
     return path
 
 
