@@ -5,7 +5,8 @@
 #   bash scripts/bench_peers.sh                          # tiny-micro, then tiny-code (built on first use)
 #   bash scripts/bench_peers.sh tiny-micro /path/to/verifier
 #   BENCH_PEERS_ARGS="--rows 48 --epochs 1" bash scripts/bench_peers.sh tiny-micro    # a quicker run
-# Opt-in, not part of the test suite: about 15 minutes for tiny-micro on two cores, more for tiny-code.
+# Opt-in, not part of the test suite: about 25 minutes for tiny-micro and 20 for tiny-code (`--rows 48`) on two
+# shared cores.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091
