@@ -49,11 +49,22 @@ def _load_average() -> float | None:
         return None
 
 
+#: oneDNN instruction-set caps (ONEDNN_MAX_CPU_ISA) under which its bf16 matmuls are emulated, not native.
+_ONEDNN_NO_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
 def native_bf16() -> bool:
-    """True where this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); bf16 elsewhere is slower than fp32."""
+    """True where torch multiplies bf16 in hardware here: the CPU has AVX512-BF16 or AMX, *and* torch may use them.
+    ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 hold torch's kernels to AVX2 (which is how a CPU without
+    AVX-512 runs, and how one is imitated on a CPU with it); bf16 is then emulated and ~10x slower than fp32."""
     cpu = torch.cpu
     checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    if not any(getattr(cpu, name, lambda: False)() for name in checks):
+        return False
+    if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):  # ATEN_CPU_CAPABILITY (or an old build)
+        return False
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL").strip().upper()
+    return cap not in _ONEDNN_NO_BF16
 
 
 def compute_dtype(recipe: Recipe) -> torch.dtype:

@@ -60,3 +60,24 @@ def test_the_build_precision_follows_the_machine(monkeypatch, native, precision,
     model.lm_head, model.norm = torch.nn.Linear(8, 8, bias=False), torch.nn.LayerNorm(8)
     muon = [opt for opt in make_optimizers(model, recipe) if isinstance(opt, Muon)]
     assert len(muon) == 1 and muon[0].ns_dtype == want
+
+
+@pytest.mark.parametrize("env, native", [({}, None), ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, False),
+                                         ({"ONEDNN_MAX_CPU_ISA": "avx512_core_bf16"}, None),
+                                         ({"DNNL_MAX_CPU_ISA": "AVX512_CORE"}, False)])
+def test_native_bf16_respects_a_cap_on_torchs_instruction_set(monkeypatch, env, native):
+    """A CPU with AVX512-BF16 held to AVX2 by the environment (how a CPU without AVX-512 is imitated) emulates bf16:
+    the build must choose fp32 there. None: the answer is the hardware's."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert pretrain.native_bf16() is (True if native is None else native)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")  # ATEN_CPU_CAPABILITY=avx2
+    assert pretrain.native_bf16() is False
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert pretrain.native_bf16() is False  # no bf16 in the hardware
