@@ -426,6 +426,7 @@ def dflash_pretrained(config: dict) -> dict:
     if config.get("speculators_model_type") != "dflash":
         return config
     out = dict(config.get("transformer_layer_config") or {})
+    out["architectures"] = ["DFlashDraftModel"]
     aux = config.get("aux_hidden_state_layer_ids") or []
     out["draft_vocab_size"] = config.get("draft_vocab_size")
     out["eagle_aux_hidden_state_layer_ids"] = aux
