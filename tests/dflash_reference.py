@@ -72,7 +72,7 @@ def greedy_decode(drafter, target, input_ids: torch.Tensor, max_new_tokens: int,
         return torch.cat([hs[i][:, :count] for i in layers], dim=-1)
 
     cache_t = DynamicCache(config=target.config)
-    o = target(input_ids, position_ids=positions[:, :P], past_key_values=cache_t, use_cache=True,
+    o = target(input_ids, position_ids=positions[:, :P], cache=cache_t, use_cache=True,
                output_hidden_states=True)
     out[:, P] = o.logits[:, -1].argmax(-1)
     ctx_hidden, ctx_start = context(o.hidden_states, P), 0
@@ -93,7 +93,7 @@ def greedy_decode(drafter, target, input_ids: torch.Tensor, max_new_tokens: int,
 
             hidden = drafter.block(drafter.embed(block), positions[:, start:start + size], attend)
             block[:, 1:] = drafter.logits(hidden[:, 1:]).argmax(-1)
-        o = target(block, position_ids=positions[:, start:start + size], past_key_values=cache_t, use_cache=True,
+        o = target(block, position_ids=positions[:, start:start + size], cache=cache_t, use_cache=True,
                    output_hidden_states=True)
         posterior = o.logits.argmax(-1)
         accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(1).sum())

@@ -16,13 +16,26 @@ class DFlashError(ValueError):
     """A DFlash drafter that cannot be built, trained or loaded as asked; the message says what to fix."""
 
 
+def _spread(start: int, end: int, n: int) -> list[int]:
+    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
+
+
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The reference's default target layers (0-based verifier layers whose *outputs* are read): one per drafter
-    layer, spread evenly over 1 .. L-3 and rounded (a one-layer drafter reads the middle layer, L // 2)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    return [round(start + i * (end - start) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    layer, spread evenly over 1 .. L-3 and rounded (a one-layer drafter reads the middle layer, L // 2). Where that
+    repeats a layer (a shallow verifier: 4 layers, 2 drafter layers gives 1, 1), the spread goes over every
+    readable layer, 0 .. L-2, instead; a drafter with more layers than that has no default."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    ids = _spread(1, L - 3, n)
+    if len(set(ids)) == n:
+        return ids
+    ids = _spread(0, L - 2, n)
+    if len(set(ids)) != n:
+        raise DFlashError(f"dflash.target_layer_ids=null: a verifier of {L} layers has {L - 1} readable layer "
+                          f"outputs, fewer than the drafter's {n} layers; set dflash.target_layer_ids")
+    return ids
 
 
 def default_gamma(block_size: int) -> float:

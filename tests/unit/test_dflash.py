@@ -42,6 +42,9 @@ def make(verifier, seed=0, **overrides):
 def test_defaults_follow_the_reference():
     assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, 5 layers: spread over 1..L-3
     assert default_target_layers(6, 1) == [3]
+    assert default_target_layers(4, 2) == [0, 2] and default_target_layers(4, 3) == [0, 1, 2]  # shallow
+    with pytest.raises(DFlashError, match="set dflash.target_layer_ids"):
+        default_target_layers(3, 3)
     assert (default_gamma(16), default_gamma(8)) == (7.0, 4.0)
     assert DFlashConfig(block_size=8).loss_gamma == 4.0 and DFlashConfig(gamma=2.5).loss_gamma == 2.5
 
