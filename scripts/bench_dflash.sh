@@ -15,18 +15,21 @@ set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
 STEPS=${DFLASH_STEPS:-600}
+WARMUP=${DFLASH_WARMUP:-$(( STEPS >= 200 ? 20 : STEPS / 10 + 1 ))}  # the configs' 20 of 600; less for a smoke run
 SEQ_LEN=${DFLASH_SEQ_LEN:-256}
 DIR=${DFLASH_DIR:-runs/bench-dflash}
 PROMPTS=${DFLASH_PROMPTS:-8}
 TOKENS=${DFLASH_MAX_NEW_TOKENS:-128}
 BLOCKS=${DFLASH_BLOCKS:-4 8 16}
 DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
+# tiny-micro has 4 layers: EAGLE's default feature layers (2, L//2, L-3 made distinct), not tiny-code's [2, 4, 7]
+LAYERS=${DFLASH_EAGLE_LAYER_IDS:-$([ "$VERIFIER" = tiny-micro ] && echo null || echo "")}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 mkdir -p "$DIR"
 [ -f "$DIR/selfdistill.jsonl" ] || PYTHONPATH=. python scripts/selfdistill_data.py --verifier "$VERIFIER" \
   --out "$DIR/selfdistill.jsonl" --num-prompts "$DATA_PROMPTS"
 COMMON=(--verifier "$VERIFIER" --wandb.enabled=false --train.max_steps="$STEPS" --train.eval_every="$STEPS"
-        --train.save_every="$STEPS" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
+        --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
         --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8)
 
 train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder
@@ -38,8 +41,8 @@ train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder
   fi
 }
 
-train eagle3 train/eagle.py configs/eagle3-tiny.yaml
-train peagle train/eagle.py configs/peagle-tiny.yaml
+train eagle3 train/eagle.py configs/eagle3-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
+train peagle train/eagle.py configs/peagle-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
 DFLASH=()
 for b in $BLOCKS; do
   # the data are the verifier's own output: block position k learns the data token (dflash.targets=data)
