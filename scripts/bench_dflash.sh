@@ -52,7 +52,7 @@ done
 
 python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \
   --max-new-tokens "$TOKENS" --temperatures 0 --threads 1 --runs "$DIR" --variants autoregressive ngram \
-  --eagle3-extra "eagle3=$DIR/eagle3/drafter" "peagle=$DIR/peagle/drafter" --extra-chains 4 \
+  --eagle3-extra "tiny=$DIR/eagle3/drafter" "peagle=$DIR/peagle/drafter" --extra-chains 4 \
   --dflash-extra "${DFLASH[@]}"
 
 python - "$DIR/bench/bench.json" <<'EOF'
