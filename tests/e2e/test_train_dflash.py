@@ -130,3 +130,27 @@ def test_config_errors_are_named():
 def test_shipped_configs_parse(name):
     cfg = parse_config(DFlashRunConfig, ["--config", str(ROOT / f"configs/{name}.yaml")])
     assert cfg.dflash.block_size in (8, 16) and cfg.dflash.loss_gamma in (4.0, 7.0)
+
+
+def test_two_processes(tmp_path, verifier_dir):
+    """DDP over two CPU processes (gloo) through `accelerate launch`: held-out sums reduced, each process's RNG (its
+    anchors) in the checkpoint, one export, checked once by the main process."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.utils import free_port
+
+    out = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline",
+           "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    launcher = Path(sys.executable).with_name("accelerate")
+    command = [str(launcher), "launch", "--multi_gpu", "--num_processes=2", "--num_machines=1",
+               f"--main_process_port={free_port()}", "--mixed_precision=no", "--dynamo_backend=no",
+               str(ROOT / "train/dflash.py"), *tiny_args(verifier_dir, out, "--train.max_steps=2")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert {p.name for p in (out / "step-000002").glob("random_states_*.pkl")} == {"random_states_0.pkl",
+                                                                                  "random_states_1.pkl"}
+    assert load_dflash(out / "drafter", Verifier.from_pretrained(verifier_dir)).block_size == 4
+    assert [r["step"] for r in records(out) if "eval/tau" in r] == [2]
