@@ -124,3 +124,25 @@ def test_engine_refusals_name_the_key(verifiers):
         check_dflash_engine(mixed, "speculators")
     with pytest.raises(DFlashError, match="engine='tensorrt'"):
         check_dflash_engine(DFlashConfig(), "tensorrt")
+
+
+def test_vllms_reading_of_other_folders(tmp_path, verifiers):
+    """What vLLM 0.32 reads from DFlash folders that are not ours as written: the top-level aux ids win over
+    dflash_config's; a speculators folder saying sliding_window_non_causal: false makes every layer causal; a
+    missing rope_theta is Qwen3's 1e6; a mask_hidden weight is refused; an own embedding is the drafter's."""
+    verifier = verifiers["llama"]
+    config, tensors = read(export_dflash(make(verifier), tmp_path / "d", verifier))
+    zlab = {k: v for k, v in config.items() if k != "draftheads"}
+    assert dflash_reading(zlab, tensors, verifier).unsupported(verifier) == []  # z-lab's own shape: readable
+    reading = dflash_reading({**zlab, "eagle_aux_hidden_state_layer_ids": [2, 3]}, tensors, verifier)
+    assert reading.target_layer_ids == [1, 2] and "eagle_aux_hidden_state_layer_ids" in reading.target_layer_ids_from
+    causal = dflash_reading({**zlab, "is_causal": True}, tensors, verifier)
+    assert causal.layer_types == ["causal_full"] * 2 and "causal_full" in causal.unsupported(verifier)[0]
+    no_theta = {k: v for k, v in zlab.items() if k not in ("rope_theta", "rope_parameters")}
+    assert dflash_reading(no_theta, tensors, verifier).layer["rope_theta"] == 1e6
+    assert "mask_hidden" in dflash_reading(zlab, {**tensors, "mask_hidden": torch.zeros(3)}, verifier).refused
+    own = dflash_reading(zlab, {**tensors, "embed_tokens.weight": torch.zeros(verifier.vocab_size, 64)}, verifier)
+    assert own.own_embedding and own.unsupported(verifier)
+    spec, spec_tensors = read(export_dflash(make(verifier), tmp_path / "s", verifier, engine="speculators"))
+    spec["sliding_window_non_causal"] = False  # the speculators library's default when saving
+    assert dflash_reading(spec, spec_tensors, verifier).layer_types == ["causal_full"] * 2
