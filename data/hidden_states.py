@@ -12,6 +12,8 @@ builds (the rows training sees):
     every method   input_ids int32 (N, T), attention_mask int8 (N, T), loss_mask int8 (N, T)
                    final (N, T, H): the last post-norm hidden state
     eagle3         layers (N, 3, T, H): the inputs of the feature layers (`eagle.layer_ids`, default 2, L//2, L-3)
+    dflash         layers (N, L, T, H): the outputs of the target layers (`dflash.target_layer_ids`), stored as the
+                   inputs of layers id + 1
 
 Logits are never stored: wherever a loss reads the verifier's distribution (Medusa `distill`, EAGLE-1's token loss,
 EAGLE-3's targets over the draft vocabulary and its full-vocabulary argmax), it is `lm_head(final)`, which the
@@ -42,7 +44,7 @@ from draftheads.data.identity import sha256_file
 
 FORMAT = "draftheads-hidden-states"
 VERSION = 1
-METHODS = ("medusa", "eagle1", "eagle3")
+METHODS = ("medusa", "eagle1", "eagle3", "dflash")
 SPLITS = ("train", "eval")
 #: Feature dtypes a cache may store: name -> (safetensors dtype code, bytes per value).
 FEATURE_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}

@@ -17,7 +17,7 @@ import sys
 
 #: verb -> (one line for the overview, the module whose `main(argv)` runs it; None: a function of this file)
 VERBS: dict[str, tuple[str, str | None]] = {
-    "train": ("train a drafter: `draftheads train medusa|eagle --config FILE [--key=value ...]`", None),
+    "train": ("train a drafter: `draftheads train medusa|eagle|dflash --config FILE [--key=value ...]`", None),
     "eval": ("measure drafters beside plain decoding: tau, per-position acceptance, speedup",
              "draftheads.eval.__main__"),
     "tune": ("choose the method and draft length from measurements; print the engines' settings",
@@ -33,7 +33,7 @@ VERBS: dict[str, tuple[str, str | None]] = {
     "cache": ("check a hidden-state cache: `draftheads cache verify DIR`", "draftheads.data.hidden_states"),
     "build-verifier": ("build the embedded default verifier (tiny-code, tiny-micro) into the cache", None),
 }
-TRAINERS = ("medusa", "eagle")
+TRAINERS = ("medusa", "eagle", "dflash")
 
 
 def _train(argv: list[str]) -> int:
@@ -47,6 +47,8 @@ def _train(argv: list[str]) -> int:
 
     if argv[0] == "medusa":
         from draftheads.train.medusa import MedusaRunConfig as cls, main
+    elif argv[0] == "dflash":
+        from draftheads.train.dflash import DFlashRunConfig as cls, main
     else:
         from draftheads.train.eagle import EagleRunConfig as cls, main
     main_guard(main, cls, argv[1:], prog=f"draftheads train {argv[0]}")

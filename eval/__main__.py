@@ -23,6 +23,7 @@ values are YAML: 3, true, [3, 2, 1], [[0], [1], [0, 0]]):
     draft-model   num_draft_tokens=4 | branching=[3,2,1]; tree_sampling=sample|topk
     medusa        (the export's tree) | paths=[[0],[1],[0,0]] | tree_budget=N | chain=K; acceptance=typical
     eagle         depth=6 top_k=4 total_tokens=16 (EAGLE-2 dynamic tree) | chain=K
+    dflash        num_draft_tokens=K (default: the drafter's block_size - 1, drafted in one forward)
     hf            Hugging Face generate (greedy / sampling exactly as the engine)
     hf-assisted   HF assisted generation: assistant_model = the draft-model run's model, else prompt lookup;
                   assistant=draft-model|prompt-lookup prompt_lookup_num_tokens=4 max_matching_ngram_size=3
@@ -44,8 +45,8 @@ from draftheads.eval.measure.cli_common import (  # shared with eval/measure/tun
     report_errors,
 )
 
-ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle")
-NEEDS_DRAFT = ("draft-model", "medusa", "eagle")
+ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle", "dflash")
+NEEDS_DRAFT = ("draft-model", "medusa", "eagle", "dflash")
 COMPARE = ("autoregressive", "hf", "hf-assisted")
 HF_ASSISTED_OPTIONS = ["assistant", "prompt_lookup_num_tokens", "max_matching_ngram_size"]
 
@@ -57,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--method", action="append", default=None, metavar="[LABEL=]METHOD",
                    help=f"one of {', '.join(ENGINE_METHODS)}; repeat for several (default autoregressive)")
     p.add_argument("--draft", action="append", default=[], metavar="PATH",
-                   help="drafter of the next --method that takes one (draft model folder, Medusa/EAGLE export)")
+                   help="drafter of the next --method that takes one (draft model folder, Medusa/EAGLE/DFlash export)")
     p.add_argument("--option", "-o", action="append", default=[], metavar="[LABEL.]KEY=VALUE",
                    help="method option (YAML value); repeatable")
     p.add_argument("--prompts", required=True, help="humaneval, mt-bench, a question.jsonl or any .jsonl/.json file")

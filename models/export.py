@@ -7,6 +7,9 @@ check and the scripts read through it.
     export_eagle(drafter, folder, verifier, training=..., engine="vllm")    EAGLE-1/3: vllm | sglang | speculators
     drafter = load_eagle(folder, verifier)
     check_eagle_engine(cfg, engine)                                          at config time, before any training
+    export_dflash(drafter, folder, verifier, training=..., engine="vllm")   DFlash: vllm (= sglang) | speculators
+    drafter = load_dflash(folder, verifier)
+    check_dflash_engine(cfg, engine)                                         at config time, before any training
 
 A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
 layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and
@@ -14,7 +17,7 @@ names each engine reads is in models/layouts/ (one module per flavour); this mod
 metadata (which records the layout, `engine`), and on load rebuilds the drafter from the metadata, checks the
 file against what that drafter would write in that layout, and refuses a drafter trained for another verifier,
 naming the field. A drafter that an engine would read differently from how it was trained is refused before
-anything is written (`check_eagle_engine`; trainers call it when they parse their config).
+anything is written (`check_eagle_engine`, `check_dflash_engine`; trainers call them when they parse their config).
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ from typing import Sequence
 import torch
 
 from draftheads.models.eagle import Eagle1Drafter, Eagle3Drafter, EagleConfig, EagleDrafter, EagleError
-from draftheads.models.layouts import eagle_sglang, eagle_speculators, eagle_vllm, medusa_vllm
+from draftheads.models.layouts import (
+    dflash_speculators,
+    dflash_vllm,
+    eagle_sglang,
+    eagle_speculators,
+    eagle_vllm,
+    medusa_vllm,
+)
 from draftheads.models.layouts.folder import (
     CONFIG_NAME,
     WEIGHTS_NAME,
@@ -41,11 +51,15 @@ from draftheads.models.layouts.folder import (
 from draftheads.models.medusa import MedusaHeads, as_rows, check_tree, lora_model
 from draftheads.models.verifier import Verifier, VerifierError, check_drafter_matches
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "export_eagle", "load_eagle",
-           "load_medusa", "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "DFLASH_ENGINES", "check_dflash_engine",
+           "export_dflash", "export_eagle", "load_dflash", "load_eagle", "load_medusa", "load_medusa_verifier",
+           "read_drafter", "read_metadata", "save_medusa"]
 
 EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang, eagle_speculators)}
 ENGINES = tuple(EAGLE_LAYOUTS)
+DFLASH_LAYOUTS = {"vllm": dflash_vllm, "sglang": dflash_vllm, "speculators": dflash_speculators}
+"""SGLang reads z-lab's layout as vLLM does (models/layouts/dflash_vllm.py), so engine sglang writes that folder."""
+DFLASH_ENGINES = tuple(DFLASH_LAYOUTS)
 MEDUSA = "medusa"
 
 
@@ -259,3 +273,76 @@ def fill_eagle(drafter: EagleDrafter, tensors: dict[str, torch.Tensor], engine: 
         del state[key]
     drafter.load_state_dict(state, strict=True)
     return drafter
+
+
+# ---- DFlash --------------------------------------------------------------------------------------------------------
+def _dflash_layout(engine: str):
+    from draftheads.models.dflash import DFlashError
+
+    if engine not in DFLASH_LAYOUTS:
+        raise DFlashError(f"engine={engine!r}: expected one of {', '.join(DFLASH_ENGINES)}")
+    return DFLASH_LAYOUTS[engine]
+
+
+def check_dflash_engine(cfg, engine: str):
+    """Refuse a DFlashConfig that `engine` would read differently from how the drafter trains (a DFlashError naming
+    the key and the engine). Returns `cfg`."""
+    layout = _dflash_layout(engine)
+    layout.resolve(cfg)
+    layout.check(cfg)
+    return cfg
+
+
+def export_dflash(drafter, folder: str | os.PathLike, verifier, training: dict | None = None, engine: str = "vllm",
+                  num_speculative_tokens: int | None = None) -> Path:
+    """Write a DFlash drafter (`draftheads.models.dflash.DFlashDrafter`) for an inference engine, atomically, in
+    that engine's layout (models/layouts/dflash_*.py). `num_speculative_tokens` goes into the speculators format
+    (what `vllm serve DRAFTER_DIR` drafts per step; default block_size - 1)."""
+    layout = _dflash_layout(engine)
+    layout.check(drafter.cfg)
+    cfg = drafter.cfg.to_dict()
+    meta = metadata_block("dflash", verifier, layer_ids=list(drafter.cfg.target_layer_ids), engine=engine,
+                          dflash=cfg, training=training or {})
+    config = {**layout.config(drafter, verifier, num_speculative_tokens), "draftheads": meta}
+    return write_drafter(folder, config, layout.tensors(drafter))
+
+
+def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = True):
+    """Read a drafter written by `export_dflash` back exactly, for `verifier` (refused if it is another one): the
+    drafter is rebuilt from the `draftheads` block, every field the engine reads is compared with what that drafter
+    writes, and the weights must be exactly its keys, shapes and one dtype."""
+    from draftheads.models.dflash import DFlashConfig, DFlashDrafter, DFlashError
+
+    folder = Path(folder)
+    config, tensors = read_drafter(folder, expect_method="dflash")
+    where, weights = str(folder / CONFIG_NAME), folder / WEIGHTS_NAME
+    meta = read_metadata(config, where)
+    if not isinstance(meta.get("verifier"), dict) or not isinstance(meta.get("dflash"), dict):
+        raise DrafterFormatError(f"{where}: the draftheads block has no `verifier` / `dflash` section")
+    check_drafter_matches(meta["verifier"], verifier, folder, check_fingerprint=check_fingerprint)
+    engine = meta.get("engine", "vllm")
+    if engine not in DFLASH_LAYOUTS:
+        raise DrafterFormatError(f"{where}: draftheads.engine is {engine!r}, expected one of {DFLASH_ENGINES}")
+    layout = DFLASH_LAYOUTS[engine]
+    try:
+        cfg = DFlashConfig.from_dict(meta["dflash"], where=f"{where}: draftheads.dflash")
+        drafter = DFlashDrafter(cfg, verifier)
+    except DFlashError as err:
+        raise DrafterFormatError(f"{where}: draftheads.dflash is not a DFlash drafter for this verifier ({err})") \
+            from None
+    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    if len(floats) != 1:
+        raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
+    drafter = drafter.to(dtype=floats.pop())
+    mine = layout.config(drafter, verifier)
+    for key in layout.CHECKED_FIELDS:
+        if key in mine and config.get(key) != mine[key]:
+            raise DrafterFormatError(f"{where}: {key} is {config.get(key)!r}; the drafter its draftheads block "
+                                     f"describes has {mine[key]!r}")
+    expected = layout.tensors(drafter)
+    require_keys(tensors, {k: tuple(v.shape) for k, v in expected.items()}, str(weights))
+    for key, ref in expected.items():
+        if tensors[key].dtype != ref.dtype:
+            raise DrafterFormatError(f"{weights}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
+    drafter.load_state_dict(layout.state_dict(tensors), strict=True)
+    return drafter.to(device=verifier.device)

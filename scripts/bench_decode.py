@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python scripts/bench_decode.py --out results/bench [--num-prompts 40] [--max-new-tokens 128]
         [--threads 1] [--runs runs/bench] [--temperatures 0 1] [--repeats 1] [--variants eagle3-chain4 ...]
-        [--compare vllm] [--eagle3-extra LABEL=DIR ...] [--extra-chains 1 4]
+        [--compare vllm] [--eagle3-extra LABEL=DIR ...] [--extra-chains 1 4] [--dflash-extra LABEL=DIR ...]
 
 Verifier: `tiny-code` (built on first use). Drafters, trained with the project's own configs if missing under
 `--runs` (or given with --medusa / --eagle1 / --eagle3 / --draft-model):
@@ -141,6 +141,20 @@ def add_extra_eagle3(entries: list[str], chains: list[int], drafters: dict) -> l
         for k in chains:
             VARIANTS[f"eagle3-{label}-chain{k}"] = ("eagle", f"eagle3:{label}", {"chain": k})
             added.append(f"eagle3-{label}-chain{k}")
+    return added
+
+
+def add_extra_dflash(entries: list[str], drafters: dict) -> list[str]:
+    """Register `--dflash-extra LABEL=DIR` exports (export_dflash) as drafters `dflash:LABEL` with variants
+    dflash-LABEL: one block of the drafter's block_size per step (scripts/bench_dflash.sh)."""
+    added = []
+    for entry in entries:
+        label, sep, folder = entry.partition("=")
+        if not sep or not label or not (Path(folder) / "config.json").is_file():
+            raise SystemExit(f"--dflash-extra {entry}: expected LABEL=DIR with an exported DFlash drafter in DIR")
+        drafters[f"dflash:{label}"] = folder
+        VARIANTS[f"dflash-{label}"] = ("dflash", f"dflash:{label}", {})
+        added.append(f"dflash-{label}")
     return added
 
 
@@ -307,6 +321,8 @@ def main(argv=None) -> int:
                    help="more EAGLE-3 exports side by side (recipes, scripts/bench_eagle_recipes.sh): variants "
                         "eagle3-LABEL-chainK for each --extra-chains K")
     p.add_argument("--extra-chains", type=int, nargs="+", default=[4])
+    p.add_argument("--dflash-extra", nargs="+", default=[], metavar="LABEL=DIR",
+                   help="DFlash exports side by side (scripts/bench_dflash.sh): variants dflash-LABEL, a block per step")
     args = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -325,6 +341,7 @@ def main(argv=None) -> int:
         needed.add("draft-model")
     extra: dict[str, str] = {}
     variants += add_extra_eagle3(args.eagle3_extra, args.extra_chains, extra)  # refused before anything trains
+    variants += add_extra_dflash(args.dflash_extra, extra)
     drafters = {**ensure_drafters(args, needed), **extra}
     if "hf-assisted" in variants and not any(VARIANTS[v][0] == "draft-model" for v in variants):
         variants.insert(1, "draft-model-chain3")  # HF's assistant is the draft-model run's model

@@ -4,11 +4,17 @@
 # `-m "unit or integration"` adds the in-process runs; CI runs all three.
 # The interop suite (tests/e2e/interop: our exports in real vLLM) needs .venv-vllm, which scripts/setup_vllm.sh makes
 # once (~3.5 min, 2.7 GB); DRAFTHEADS_INTEROP=0 leaves both out (the interop tests then report themselves skipped).
+# The DFlash reference check (tests/e2e/test_dflash_reference.py) needs .venv-dflash (z-lab's `dflash` package),
+# which scripts/setup_dflash_reference.sh makes once (about a minute of CPU; torch from the local wheel);
+# DRAFTHEADS_DFLASH_REFERENCE=0 leaves it out (the test then reports itself skipped).
 # DRAFTHEADS_SGLANG=1 also makes .venv-sglang (scripts/setup_sglang.sh) for the SGLang loader test.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 if [ "${DRAFTHEADS_INTEROP:-1}" != "0" ]; then
   bash scripts/setup_vllm.sh
+fi
+if [ "${DRAFTHEADS_DFLASH_REFERENCE:-1}" != "0" ]; then
+  bash scripts/setup_dflash_reference.sh
 fi
 # SGLang's own loader on our exports (tests/e2e/interop/test_sglang.py): opt-in, its environment is 2.5 GB
 if [ "${DRAFTHEADS_SGLANG:-0}" = "1" ]; then

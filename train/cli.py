@@ -84,9 +84,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Errors whose message is the whole story (no traceback helps the user)."""
     from draftheads.data.config import DataError
     from draftheads.data.hidden_states import CacheError
+    from draftheads.models.dflash import DFlashError
     from draftheads.models.eagle import EagleError
     from draftheads.models.export import DrafterFormatError
     from draftheads.models.verifier import VerifierError
     from draftheads.train.checkpoint import CheckpointError
 
-    return DataError, CacheError, DrafterFormatError, EagleError, VerifierError, NonFiniteLossError, CheckpointError
+    return (DataError, CacheError, DrafterFormatError, EagleError, DFlashError, VerifierError, NonFiniteLossError,
+            CheckpointError)

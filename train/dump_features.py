@@ -50,16 +50,23 @@ from draftheads.train.placement import load_verifier
 
 # ---- what a run needs ----------------------------------------------------------------------------------------------
 def method_of(cfg) -> str:
-    """The cache method a trainer config implies: `medusa`, `eagle1` or `eagle3`."""
+    """The cache method a trainer config implies: `medusa`, `eagle1`, `eagle3` or `dflash`."""
     if hasattr(cfg, "medusa"):
         return "medusa"
+    if hasattr(cfg, "dflash"):
+        return "dflash"
     if hasattr(cfg, "eagle"):
         return f"eagle{cfg.eagle.version}"
     raise CacheError(f"{type(cfg).__name__}: not a Medusa or EAGLE run config")
 
 
 def layers_for(method: str, cfg, verifier) -> list[int]:
-    """Feature layers a method reads besides the final hidden state (EAGLE-3: three; others: none)."""
+    """Feature layers a method reads besides the final hidden state (EAGLE-3: three; DFlash: its target layers'
+    outputs, i.e. the inputs of layers id + 1; others: none)."""
+    if method == "dflash":
+        ids = [i + 1 for i in cfg.dflash.resolve(verifier.config).target_layer_ids]
+        verifier.check_layer_ids(ids, key="dflash.target_layer_ids (+1)")
+        return ids
     if method != "eagle3":
         return []
     ids = list(cfg.eagle.layer_ids) if cfg.eagle.layer_ids is not None else verifier.default_eagle3_layers()
@@ -241,13 +248,18 @@ def _config_class(method: str | None, argv: list[str]):
         if path and not Path(path).is_file():
             raise CacheError(f"--config {path}: no such file")
         keys = set(yaml.safe_load(Path(path).read_text()) or {}) if path else set()
-        method = "medusa" if "medusa" in keys else "eagle3" if "eagle" in keys else None
+        method = ("medusa" if "medusa" in keys else "eagle3" if "eagle" in keys else "dflash" if "dflash" in keys
+                  else None)
         if method is None:
-            raise CacheError("cannot tell the method: pass --method medusa|eagle1|eagle3 or a trainer --config")
+            raise CacheError("cannot tell the method: pass --method medusa|eagle1|eagle3|dflash or a trainer --config")
     if method == "medusa":
         from draftheads.train.medusa import MedusaRunConfig
 
         return MedusaRunConfig
+    if method == "dflash":
+        from draftheads.train.dflash import DFlashRunConfig
+
+        return DFlashRunConfig
     from draftheads.train.eagle import EagleRunConfig
 
     return EagleRunConfig

@@ -7,13 +7,15 @@ The engine (draftheads.eval.engine) never imports this package: it runs any `Dra
 `autoregressive` (the baseline, same runtime), `ngram` (prompt lookup, ngram.py), `lookahead` (Jacobi window +
 n-gram pool, lookahead.py), `draft-model` (vanilla speculative decoding with a small LM; chain or tree,
 draft_model.py), `medusa` (heads on the verifier's last hidden state, static tree, medusa.py), `eagle` (EAGLE-1 /
-EAGLE-3, chain or EAGLE-2's dynamic tree, eagle.py).
+EAGLE-3, chain or EAGLE-2's dynamic tree, eagle.py), `dflash` (block-diffusion drafting: a block of drafts from one
+drafter forward, dflash.py).
 """
 
 from __future__ import annotations
 
 import inspect
 
+from draftheads.eval.drafters.dflash import make_dflash
 from draftheads.eval.drafters.draft_model import DraftModelDrafter, load_causal_lm
 from draftheads.eval.drafters.eagle import make_eagle
 from draftheads.eval.drafters.lookahead import LookaheadDrafter
@@ -60,8 +62,12 @@ def _eagle(verifier, draft, device, dtype, chain: int | None = None, depth: int 
     return make_eagle(verifier, draft, chain, depth, top_k, total_tokens, tree_sampling)
 
 
+def _dflash(verifier, draft, device, dtype, num_draft_tokens: int | None = None):
+    return make_dflash(verifier, draft, num_draft_tokens)
+
+
 METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "lookahead": _lookahead, "draft-model": _draft_model,
-           "medusa": _medusa, "eagle": _eagle}
+           "medusa": _medusa, "eagle": _eagle, "dflash": _dflash}
 
 
 def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **options) -> Drafter:
@@ -84,7 +90,7 @@ def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **o
 def build_decoder(verifier, method: str = "autoregressive", draft=None, device=None, dtype=None,
                   first_token: str = "draft", **method_options) -> SpeculativeDecoder:
     """A SpeculativeDecoder for `method`. verifier: a name/folder or a Verifier; draft: what the method needs (a
-    draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle'); method_options: the
+    draft model for 'draft-model', an exported drafter folder for 'medusa' / 'eagle' / 'dflash'); method_options: the
     method's own options (`make_drafter`)."""
     verifier = load_verifier(verifier, device, dtype)
     drafter = make_drafter(method, verifier, draft, device=device, dtype=dtype, **method_options)

@@ -2,10 +2,10 @@
 and with our engine, and say.
 
     draftheads serve-check --verifier V --draft D [D ...] [--prompts humaneval] [--num-prompts 4]
-        [--max-new-tokens 32] [-k 3] [--dtype float32] [--method eagle3|eagle|medusa]
+        [--max-new-tokens 32] [-k 3] [--dtype float32] [--method eagle3|eagle|medusa|dflash]
 
-Any folder, ours or another trainer's (vLLM's EAGLE-1 / EAGLE-3 / Medusa layouts, the speculators format, a
-SpecForge export). For each it prints: what vLLM reads from config.json that disagrees with how the drafter was
+Any folder, ours or another trainer's (vLLM's EAGLE-1 / EAGLE-3 / Medusa / DFlash layouts, the speculators format,
+a SpecForge export, z-lab's DFlash checkpoints). For each it prints: what vLLM reads from config.json that disagrees with how the drafter was
 trained (the folder's `draftheads` block, or the conventions of the trainer that wrote it: eval/interop/
 peer_folder.py), naming the fields; loaded or refused (with vLLM's own message); per prompt, whether vLLM's greedy
 output equals plain greedy decoding of the verifier, and whether the accepted draft tokens per verification step
@@ -15,7 +15,11 @@ drafter as trained beside them); and a verdict line.
 Our side decodes an EAGLE-3 folder *as vLLM reads it* (eval/interop/vllm_reading.py: its layer ids, draft vocabulary
 map, norm flags, embedding), with the same k and vLLM's convention for the first token (from the prefill), so the
 counts must be equal request by request: that proves our reading of vLLM's reading, and the comparison with the
-training record then says whether vLLM serves the drafter as trained. EAGLE-1 and Medusa folders are decoded
+training record then says whether vLLM serves the drafter as trained. A DFlash folder is read the same way
+(vllm_reading.dflash_reading: the layers vLLM captures, the mask token, each layer's causality and window) and
+compared with its `draftheads` block (a folder without one is taken as its config.json says); -k is vLLM's
+num_speculative_tokens, the block less its first token, and our engine drafts the same block. EAGLE-1 and Medusa
+folders are decoded
 through our loader, which compares config.json with the record field by field. A folder no draftheads drafter can
 decode as vLLM reads it is NOT JUDGED. Exit status: 0 when every drafter passes, 1 when one does not (or is not
 judged), 2 for a usage error or when vLLM is not available (`bash scripts/setup_vllm.sh`).
@@ -31,7 +35,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METHODS = ("eagle3", "eagle", "medusa")
+METHODS = ("eagle3", "eagle", "medusa", "dflash")
 
 
 class UsageError(ValueError):
@@ -97,6 +101,10 @@ def detect_method(folder: Path) -> tuple[str | None, bool]:
         config = read_config(folder)
     except DrafterFormatError as err:
         raise UsageError(f"--draft {folder}: {err}") from None
+    from draftheads.eval.interop.vllm_reading import is_dflash
+
+    if is_dflash(config):
+        return "dflash", config.get("speculators_config") is not None
     if config.get("speculators_config") is not None:
         return None, True
     arch = " ".join(config.get("architectures") or [])
@@ -179,8 +187,86 @@ def read_ours(method: str):
     return read
 
 
+def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
+    """A DFlash folder: vLLM's reading, the training record (our `draftheads` block, if any), drafters for both."""
+    import torch
+
+    from draftheads.eval.interop.vllm_reading import Unreadable, dflash_reading
+    from draftheads.models.dflash import DFlashConfig, DFlashError
+    from draftheads.models.layouts.folder import DrafterFormatError, read_drafter
+
+    try:
+        config, tensors = read_drafter(folder)
+    except DrafterFormatError as err:
+        return Subject("dflash", "unknown", unjudged=str(err))
+    served = dflash_reading(config, tensors, verifier)
+    block = config.get("draftheads") or {}
+    kind = "draftheads" if block.get("method") == "dflash" else \
+        "speculators" if config.get("speculators_config") is not None else "dflash"
+    subject = Subject("dflash", kind)
+    trained = None
+    if kind == "draftheads":
+        try:
+            trained = DFlashConfig.from_dict(block.get("dflash") or {}, where=f"{folder}/config.json draftheads.dflash")
+        except (DFlashError, TypeError) as err:
+            subject.notes.append(f"the draftheads block is not a DFlash config ({err})")
+    if trained is not None:
+        subject.findings = dflash_findings(served, trained)
+    if config.get("speculators_config") is not None:
+        spec = config["speculators_config"]
+        tokens = (spec.get("proposal_methods") or [{}])[0].get("speculative_tokens")
+        named = (spec.get("verifier") or {}).get("name_or_path")
+        here = named is not None and Path(str(named)).resolve() == Path(verifier.path).resolve()
+        subject.serve_drafter = tokens == k and here
+        if not subject.serve_drafter:
+            subject.notes.append(f"served as speculative_config {{method: dflash, model: the folder}} (its own "
+                                 f"proposal drafts {tokens} tokens beside {named!r}; this check drafts {k} beside "
+                                 "--verifier)")
+    if served.block_size and k != served.block_size - 1:
+        subject.notes.append(f"-k {k}: vLLM drafts a block of {k + 1}, the drafter was trained on blocks of "
+                             f"{served.block_size} (serve with num_speculative_tokens {served.block_size - 1})")
+    torch_dtype = getattr(torch, dtype)
+    try:
+        subject.served = served.drafter(verifier, torch_dtype)
+    except Unreadable as err:
+        subject.unjudged = f"draftheads cannot decode it as vLLM reads it: {err}"
+        return subject
+    if subject.findings:
+        try:
+            from draftheads.models.dflash import DFlashDrafter
+
+            drafter = DFlashDrafter(trained.resolve(verifier.config), verifier).to(dtype=torch_dtype)
+            drafter.load_state_dict({k_: v.to(torch_dtype) for k_, v in served.weights.items()}, strict=True)
+            subject.trained = drafter.to(device=verifier.device)
+        except (DFlashError, RuntimeError) as err:
+            subject.notes.append(f"the drafter as trained is not decoded here: {err}")
+    return subject
+
+
+def dflash_findings(served, trained) -> list[str]:
+    """What vLLM's reading of a DFlash folder says otherwise than the draftheads block, one line per key."""
+    out = []
+    mine = {"target_layer_ids": list(trained.target_layer_ids or []), "mask_token_id": trained.mask_token_id,
+            "layer_types": [trained.layer_type(i) for i in range(trained.num_hidden_layers)]}
+    theirs = {"target_layer_ids": served.target_layer_ids, "mask_token_id": served.mask_token_id,
+              "layer_types": served.layer_types}
+    where = {"target_layer_ids": served.target_layer_ids_from}
+    for key, value in mine.items():
+        if theirs[key] != value:
+            source = where.get(key, "config.json")
+            out.append(f"{key}: vLLM reads {theirs[key]!r} ({source}), trained as {value!r} (the draftheads "
+                       f"block); fix: export the drafter again (models.export.export_dflash)")
+    for key in ("num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "attention_bias"):
+        value = getattr(trained, key, None)
+        if value is not None and served.layer.get(key) is not None and served.layer[key] != value:
+            out.append(f"{key}: vLLM reads {served.layer[key]!r} (config.json), trained as {value!r} (the "
+                       "draftheads block); fix: export the drafter again (models.export.export_dflash)")
+    return out
+
+
 #: vLLM method -> how serve-check reads a folder for it (a new method adds a reader here).
-READERS = {"eagle3": read_eagle3, "eagle": read_ours("eagle"), "medusa": read_ours("medusa")}
+READERS = {"eagle3": read_eagle3, "eagle": read_ours("eagle"), "medusa": read_ours("medusa"), "dflash": read_dflash}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -199,6 +285,9 @@ def decode_ours(verifier, draft, method: str, prompts, max_new_tokens: int, k: i
     """Our engine on `draft` (a folder or an EagleDrafter), vLLM's way: first token from the prefill, a chain of k."""
     from draftheads.eval import build_decoder
 
+    if method == "dflash":  # one block of k + 1 a step, as vLLM's num_speculative_tokens = k
+        dec = build_decoder(verifier, draft=draft, method="dflash", first_token="prefill", num_draft_tokens=k)
+        return dec, dec.generate(prompts, max_new_tokens, eos_token_id=None)
     engine_method = "medusa" if method == "medusa" else "eagle"
     dec = build_decoder(verifier, draft=draft, method=engine_method, first_token="prefill",
                         chain=k if engine_method == "eagle" else True)
@@ -218,7 +307,7 @@ def check(verifier, drafts: list[str], prompts: list[list[int]], max_new_tokens:
         detected, speculators = detect_method(folder)
         vllm_method = method or detected or "eagle3"
         subject = READERS[vllm_method](folder, verifier, k, dtype)
-        report = Report(draft, vllm_method if not subject.serve_drafter else "eagle3 (speculators)",
+        report = Report(draft, vllm_method if not subject.serve_drafter else f"{vllm_method} (speculators)",
                         kind=subject.kind, findings=list(subject.findings), unjudged=subject.unjudged,
                         notes=list(subject.notes))
         ours = trained = None

@@ -288,3 +288,248 @@ def expected_weights(reading: Reading) -> list[str]:
     if reading.fc_norm:
         names += [f"fc_norm.{i}.weight" for i in range(reading.fc_features)]
     return names
+
+
+# ---- DFlash --------------------------------------------------------------------------------------------------------
+#: The Qwen3 layer fields vLLM's DFlash drafter is built from (model_executor/models/qwen3_dflash.py).
+DFLASH_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "rope_theta",
+                       "attention_bias", "max_position_embeddings")
+
+
+@dataclass
+class DFlashReading:
+    """A DFlash drafter as vLLM 0.32 builds it from a folder (or as the folder says it was trained).
+
+    The facts (vLLM 0.32, .venv-vllm):
+      - v1/worker/gpu/spec_decode/eagle/eagle3_utils.py: the verifier's aux hidden states are the top-level
+        `eagle_aux_hidden_state_layer_ids` (layer inputs), else dflash_config.target_layer_ids + 1, else a top-level
+        target_layer_ids + 1, else dflash_config's `layer_ids`; they are captured in layer order (interfaces.py
+        `_maybe_add_hidden_state`), and fc is as wide as that list.
+      - model_executor/models/qwen3_dflash.py: the layers from the Qwen3 fields (head_dim defaults to hidden /
+        heads, a missing rope_theta to 1e6); a layer is causal when top-level `is_causal` or dflash_config.causal
+        says so, else when layer_types marks it sliding_attention; sliding when layer_types says so (or
+        dflash_config.use_swa), with dflash_config.swa_window_size else sliding_window; the mask token is
+        dflash_config.mask_token_id else the top-level mask_token_id; `embed_tokens` / `lm_head` in the file are
+        the drafter's own (else the verifier's are shared), a d2t maps a pruned draft vocabulary, t2d is skipped,
+        `mask_hidden` fails an assertion, dflash_config.attention_sink_bias / attention_value_scale add weights
+        and a scale, `is_neox_style: false` another rope.
+      - transformers_utils/configs/speculators/algos.py (update_dflash): a speculators folder's
+        `aux_hidden_state_layer_ids` become the top-level ids (and target_layer_ids = them - 1), its mask_token_id
+        dflash_config's, and dflash_config.causal = not sliding_window_non_causal (default true): every layer.
+    """
+
+    target_layer_ids: list[int]
+    """Verifier layers whose outputs feed fc, in fc's order (the reference's convention: inputs of id + 1)."""
+    target_layer_ids_from: str
+    mask_token_id: int | None
+    layer: dict = field(default_factory=dict)
+    """DFLASH_LAYER_FIELDS as read."""
+    layer_types: list[str] = field(default_factory=list)
+    """Per layer: full_attention (bidirectional), sliding_attention (causal, windowed), or what no draftheads
+    drafter computes: causal_full, bidirectional_window."""
+    sliding_window: int | None = None
+    block_size: int | None = None
+    draft_vocab_size: int | None = None
+    own_embedding: bool = False
+    own_lm_head: bool = False
+    extras: list[str] = field(default_factory=list)
+    """Options vLLM applies that no draftheads drafter has (sink bias, value scale, another rope style...)."""
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    uninitialised: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    refused: str | None = None
+
+    def unsupported(self, verifier) -> list[str]:
+        out = list(self.extras)
+        if self.refused:
+            out.insert(0, f"it is refused ({self.refused})")
+        odd = [t for t in self.layer_types if t not in ("full_attention", "sliding_attention")]
+        if odd:
+            out.append(f"layers read as {sorted(set(odd))}: draftheads DFlash layers are bidirectional (full) or "
+                       "causal within a window (sliding)")
+        if self.own_embedding or self.own_lm_head:
+            out.append("the file holds the drafter's own embed_tokens / lm_head; draftheads DFlash drafters read the "
+                       "verifier's")
+        if self.draft_vocab_size is not None and self.draft_vocab_size != verifier.vocab_size:
+            out.append(f"draft_vocab_size {self.draft_vocab_size}: draftheads DFlash drafters draft over the "
+                       f"verifier's whole vocabulary ({verifier.vocab_size})")
+        if self.mask_token_id is None:
+            out.append("no mask_token_id (dflash_config.mask_token_id or mask_token_id)")
+        if self.uninitialised:
+            out.append(f"the file lacks {', '.join(self.uninitialised[:3])}: vLLM leaves them at their initial "
+                       "(unset) values")
+        if self.layer.get("hidden_size") not in (None, verifier.hidden_size):
+            out.append(f"hidden_size {self.layer['hidden_size']}: the verifier's is {verifier.hidden_size}")
+        fc = self.weights.get("fc.weight")
+        if fc is not None and fc.shape[1] != len(self.target_layer_ids) * verifier.hidden_size:
+            out.append(f"fc.weight is {tuple(fc.shape)} but vLLM feeds it {len(self.target_layer_ids)} layers "
+                       f"({self.target_layer_ids_from})")
+        bad = [i for i in self.target_layer_ids if not 0 <= i <= verifier.num_layers - 2]
+        if bad:
+            out.append(f"target layers {bad}: outside 0..{verifier.num_layers - 2} (vLLM reads the last layer's "
+                       "output before the final norm, which no draftheads drafter is trained on)")
+        return out
+
+    def config(self, verifier):
+        """The DFlashConfig of the drafter this reading builds (unsupported readings: Unreadable)."""
+        from draftheads.models.dflash import DFlashConfig, DFlashError
+
+        reasons = self.unsupported(verifier)
+        if reasons:
+            raise Unreadable(reasons[0])
+        layer = dict(self.layer)
+        try:
+            return DFlashConfig(
+                num_hidden_layers=int(layer["num_hidden_layers"]), block_size=int(self.block_size or 16),
+                target_layer_ids=list(self.target_layer_ids), mask_token_id=int(self.mask_token_id),
+                hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"],
+                num_attention_heads=layer["num_attention_heads"], num_key_value_heads=layer["num_key_value_heads"],
+                head_dim=layer["head_dim"], rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"],
+                max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
+                attention_bias=bool(layer["attention_bias"]), layer_types=list(self.layer_types),
+                sliding_window=self.sliding_window, num_target_layers=verifier.num_layers,
+                vocab_size=verifier.vocab_size)
+        except (DFlashError, KeyError, TypeError) as err:
+            raise Unreadable(f"not a DFlash drafter draftheads builds ({err})") from None
+
+    def drafter(self, verifier, dtype: torch.dtype = torch.float32):
+        """Our drafter computing what this reading builds, in `dtype`; Unreadable when none does."""
+        from draftheads.models.dflash import DFlashDrafter, DFlashError
+
+        cfg = self.config(verifier)
+        try:
+            drafter = DFlashDrafter(cfg, verifier).to(dtype=dtype)
+            expected = drafter.state_dict()
+            require_keys_like(self.weights, expected)
+            drafter.load_state_dict({k: v.to(dtype) for k, v in self.weights.items()}, strict=True)
+        except (DFlashError, DrafterFormatError, RuntimeError) as err:
+            raise Unreadable(str(err)) from None
+        return drafter.to(device=verifier.device)
+
+
+def require_keys_like(weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    from draftheads.models.layouts.folder import require_keys
+
+    require_keys(weights, {k: tuple(v.shape) for k, v in expected.items()}, "the folder's weights as read")
+
+
+def is_dflash(config: dict) -> bool:
+    arch = " ".join(config.get("architectures") or [])
+    return ("DFlash" in arch or config.get("speculators_model_type") == "dflash"
+            or isinstance(config.get("dflash_config"), dict))
+
+
+def dflash_pretrained(config: dict) -> dict:
+    """The config vLLM builds the drafter from: a speculators folder converted as update_dflash does, else
+    config.json itself."""
+    if config.get("speculators_model_type") != "dflash":
+        return config
+    out = dict(config.get("transformer_layer_config") or {})
+    out["architectures"] = ["DFlashDraftModel"]
+    aux = config.get("aux_hidden_state_layer_ids") or []
+    out["draft_vocab_size"] = config.get("draft_vocab_size")
+    out["eagle_aux_hidden_state_layer_ids"] = aux
+    out["dflash_config"] = {"mask_token_id": config.get("mask_token_id"), "target_layer_ids": [i - 1 for i in aux],
+                            "causal": not config.get("sliding_window_non_causal", True)}
+    out["block_size"] = config.get("block_size")
+    return out
+
+
+def dflash_layer_ids(config: dict) -> tuple[list[int], str]:
+    """(target layer ids in fc's order, reference convention; where vLLM took them) from a pretrained config."""
+    dflash_config = config.get("dflash_config") or {}
+    if config.get("eagle_aux_hidden_state_layer_ids"):
+        ids, source = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]], \
+            "config.json eagle_aux_hidden_state_layer_ids (layer inputs), minus 1"
+    elif dflash_config.get("target_layer_ids"):
+        ids, source = list(dflash_config["target_layer_ids"]), "config.json dflash_config.target_layer_ids"
+    elif config.get("target_layer_ids"):
+        ids, source = list(config["target_layer_ids"]), "config.json target_layer_ids"
+    elif dflash_config.get("layer_ids"):
+        ids, source = [i - 1 for i in dflash_config["layer_ids"]], \
+            "config.json dflash_config.layer_ids (layer inputs), minus 1"
+    else:
+        return [], "nowhere: vLLM captures no verifier layer for this folder"
+    return sorted(set(int(i) for i in ids)), source
+
+
+def dflash_reading(config: dict, tensors: dict[str, torch.Tensor], verifier) -> DFlashReading:
+    """What vLLM 0.32 builds from a DFlash folder (config.json + its tensors) served beside `verifier`."""
+    pre = dflash_pretrained(config)
+    dflash_config = dict(pre.get("eagle_config") or {})
+    dflash_config.update(pre.get("dflash_config") or {})
+    ids, source = dflash_layer_ids(pre)
+    layer = {k: pre.get(k) for k in DFLASH_LAYER_FIELDS}
+    if layer["head_dim"] is None and pre.get("hidden_size") and pre.get("num_attention_heads"):
+        layer["head_dim"] = pre["hidden_size"] // pre["num_attention_heads"]
+    layer["rope_theta"] = rope_theta(pre) or 1e6  # vLLM: set_default_rope_theta(config, 1000000)
+    layer["attention_bias"] = bool(pre.get("attention_bias", False))
+    layer["num_key_value_heads"] = layer["num_key_value_heads"] or layer["num_attention_heads"]
+    n = int(layer["num_hidden_layers"] or 0)
+    types = pre.get("layer_types")
+    use_swa = bool(dflash_config.get("use_swa", False))
+    causal_override = pre.get("is_causal", dflash_config.get("causal"))
+    window = dflash_config.get("swa_window_size", pre.get("sliding_window"))
+    kinds = []
+    for i in range(n):
+        any_sliding = bool(types) and "sliding_attention" in types
+        sliding = use_swa if types is None or (use_swa and not any_sliding) else types[i] == "sliding_attention"
+        causal = bool(causal_override) if causal_override is not None else bool(types) and \
+            types[i] == "sliding_attention"
+        kinds.append({(False, False): "full_attention", (True, True): "sliding_attention",
+                      (False, True): "causal_full", (True, False): "bidirectional_window"}[(sliding, causal)])
+    reading = DFlashReading(target_layer_ids=ids, target_layer_ids_from=source,
+                            mask_token_id=dflash_config.get("mask_token_id", pre.get("mask_token_id")),
+                            layer=layer, layer_types=kinds,
+                            sliding_window=window if "sliding_attention" in kinds else None,
+                            block_size=pre.get("block_size") or dflash_config.get("block_size"),
+                            draft_vocab_size=pre.get("draft_vocab_size") or pre.get("vocab_size"))
+    if dflash_config.get("use_aux_hidden_state") is False:
+        reading.refused = "dflash_config.use_aux_hidden_state is false: vLLM builds no fc"
+    for key, what in (("attention_sink_bias", "an attention sink bias"), ("attention_value_scale", "a value scale")):
+        if dflash_config.get(key):
+            reading.extras.append(f"dflash_config.{key} is set: vLLM adds {what}, which draftheads drafters lack")
+    if pre.get("is_neox_style") is False:
+        reading.extras.append("is_neox_style is false: vLLM rotates interleaved pairs, draftheads drafters halves")
+    if float(pre.get("logit_scale", 1.0) or 1.0) != 1.0:
+        reading.extras.append(f"logit_scale {pre['logit_scale']}: vLLM scales the draft logits")
+    weights = {}
+    for name, tensor in tensors.items():
+        if name.endswith("t2d"):
+            reading.dropped.append(name)
+            continue
+        if "mask_hidden" in name:
+            reading.refused = "a mask_hidden weight: vLLM's DFlash loader asserts there is none"
+            continue
+        if name.endswith("d2t"):
+            reading.draft_vocab_size = tensor.numel()
+            continue
+        name = name.replace(MIDLAYER, "layers.0.").replace("encoder.output_norm_enc.", "hidden_norm.") \
+            .replace("encoder.fc.", "fc.")
+        if name.startswith("embed_tokens."):
+            table = verifier.embed_tokens.weight.detach().cpu()
+            reading.own_embedding = tensor.shape != table.shape or not torch.equal(tensor.to(table.dtype), table)
+            continue
+        if name.startswith("lm_head."):
+            head = verifier.lm_head.weight.detach().cpu()
+            reading.own_lm_head = tensor.shape != head.shape or not torch.equal(tensor.to(head.dtype), head)
+            continue
+        weights[name] = tensor
+    reading.weights = weights
+    reading.uninitialised = sorted(set(dflash_expected_weights(reading)) - set(weights))
+    return reading
+
+
+def dflash_expected_weights(reading: DFlashReading) -> list[str]:
+    """The weights vLLM's DFlashQwen3Model builds (and reads from the file) for this reading."""
+    names = ["fc.weight", "hidden_norm.weight", "norm.weight"]
+    for i in range(int(reading.layer.get("num_hidden_layers") or 0)):
+        layer = f"layers.{i}."
+        names += [f"{layer}self_attn.{p}.weight" for p in llama_draft.PROJECTIONS]
+        names += [f"{layer}self_attn.{n}.weight" for n in ("q_norm", "k_norm")]
+        names += [f"{layer}mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+        names += [f"{layer}{n}.weight" for n in ("input_layernorm", "post_attention_layernorm")]
+        if reading.layer.get("attention_bias"):  # q/k/v and o_proj, as vLLM's DFlash attention builds them
+            names += [f"{layer}self_attn.{p}.bias" for p in llama_draft.PROJECTIONS]
+    return names

@@ -52,6 +52,7 @@ class ConsistencyResult:
 
 def drafter_method(drafter) -> str:
     """The engine method for an in-memory drafter module."""
+    from draftheads.models.dflash import DFlashDrafter
     from draftheads.models.eagle import EagleDrafter
     from draftheads.models.medusa import MedusaHeads
 
@@ -59,7 +60,10 @@ def drafter_method(drafter) -> str:
         return "medusa"
     if isinstance(drafter, EagleDrafter):
         return "eagle"
-    raise TypeError(f"check_export: expected MedusaHeads or an EagleDrafter, got {type(drafter).__name__}")
+    if isinstance(drafter, DFlashDrafter):
+        return "dflash"
+    raise TypeError(f"check_export: expected MedusaHeads, an EagleDrafter or a DFlashDrafter, got "
+                    f"{type(drafter).__name__}")
 
 
 def _medusa_verifiers(verifier):

@@ -2,7 +2,7 @@
 
     draftheads tune --verifier tiny-code --candidate ngram --candidate medusa=runs/medusa-tiny/drafter \\
         --candidate eagle=runs/eagle3-tiny/drafter --prompts humaneval --num-prompts 8 --max-new-tokens 64 \\
-        --max-draft 6 --out results/tune
+        --max-draft 6 --out results/tune          (also --candidate dflash=EXPORT: a DFlash drafter's block)
 
 What the choice depends on, measured on the given prompts (greedy, or `--temperature`):
   1. each drafter's per-position acceptance p_k = P(a step accepts at least k drafts), k = 1..K, from one decode
@@ -106,7 +106,7 @@ def method_options(method: str, n: int, tree: bool = False) -> dict:
     """The engine options for a chain of n draft tokens (or Medusa's static tree of n nodes)."""
     if tree:
         return {"tree_budget": n}
-    if method in ("ngram", "draft-model"):
+    if method in ("ngram", "draft-model", "dflash"):
         return {"num_draft_tokens": n}
     if method in ("medusa", "eagle"):
         return {"chain": n}
@@ -114,11 +114,14 @@ def method_options(method: str, n: int, tree: bool = False) -> dict:
 
 
 def longest_chain(verifier, candidate: Candidate, k: int) -> int:
-    """k, or fewer where the drafter cannot draft that far (Medusa: one token per head)."""
-    if candidate.method != "medusa":
+    """k, or fewer where the drafter cannot draft that far (Medusa: one token per head; DFlash: its trained block,
+    block_size - 1 mask positions)."""
+    if candidate.method not in ("medusa", "dflash"):
         return k
     from draftheads.eval.drafters import make_drafter
 
+    if candidate.method == "dflash":
+        return min(k, make_drafter("dflash", verifier, candidate.draft).num_draft_tokens)
     return min(k, make_drafter("medusa", verifier, candidate.draft, chain=True).num_draft_tokens)
 
 
@@ -306,6 +309,10 @@ def serve_config(pred: Prediction) -> tuple[dict, str]:
         return ({"method": method, "model": pred.draft, "num_speculative_tokens": n},
                 f"--speculative-algorithm {method.upper()} --speculative-draft-model-path {pred.draft} "
                 f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}")
+    if pred.method == "dflash":  # SGLang counts the block: the verified token and n mask positions
+        return ({"method": "dflash", "model": pred.draft, "num_speculative_tokens": n},
+                f"--speculative-algorithm DFLASH --speculative-draft-model-path {pred.draft} "
+                f"--speculative-num-draft-tokens {n + 1}")
     return ({"method": "draft_model", "model": pred.draft, "num_speculative_tokens": n},
             f"--speculative-algorithm STANDALONE --speculative-draft-model-path {pred.draft} "
             f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}")
@@ -317,7 +324,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", required=True)
     p.add_argument("--candidate", action="append", required=True, metavar="METHOD[=DRAFT]",
-                   help="ngram, medusa=EXPORT, eagle=EXPORT or draft-model=FOLDER; repeatable")
+                   help="ngram, medusa=EXPORT, eagle=EXPORT, dflash=EXPORT or draft-model=FOLDER; repeatable")
     p.add_argument("--prompts", required=True, help="humaneval, mt-bench, or a .jsonl sample of your traffic")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -342,8 +349,8 @@ def parse_candidates(entries: list[str]) -> list[Candidate]:
     out = []
     for entry in entries:
         method, _, draft = entry.partition("=")
-        if method not in ("ngram", "medusa", "eagle", "draft-model"):
-            raise UsageError(f"--candidate {entry}: expected ngram, medusa=EXPORT, eagle=EXPORT or "
+        if method not in ("ngram", "medusa", "eagle", "dflash", "draft-model"):
+            raise UsageError(f"--candidate {entry}: expected ngram, medusa=EXPORT, eagle=EXPORT, dflash=EXPORT or "
                              "draft-model=FOLDER")
         if (method == "ngram") == bool(draft):
             raise UsageError(f"--candidate {entry}: " + ("ngram takes no drafter" if draft else

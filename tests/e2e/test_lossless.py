@@ -18,7 +18,7 @@ from draftheads.eval import SpeculativeDecoder
 from draftheads.eval.drafters import make_drafter
 from draftheads.models.medusa import MedusaHeads
 from draftheads.models.verifier import Verifier
-from tests.utils import chi2_pvalue, fit_eagle, greedy_corpus, noisy_copy, tiny_model
+from tests.utils import chi2_pvalue, fit_eagle, greedy_corpus, noisy_copy, tiny_model, train_eagle_briefly
 
 V = 16
 PROMPT = [3, 7, 1, 9]
@@ -69,6 +69,18 @@ def eagle_parallel():
     return model, SpeculativeDecoder(verifier, make_drafter("eagle", verifier, drafter, chain=3), "eagle")
 
 
+def dflash():
+    """A DFlash drafter (block 4: three drafts from one forward, each drawn from its own distribution) trained a
+    few steps on the verifier's own continuations."""
+    from draftheads.models.dflash import DFlashConfig, build_drafter
+
+    model, verifier, corpus = small_vocab_eagle()
+    torch.manual_seed(0)
+    cfg = DFlashConfig(num_hidden_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=0, num_anchors=16)
+    drafter = train_eagle_briefly(build_drafter(verifier, cfg), verifier, corpus, steps=12, lr=1e-2)
+    return model, SpeculativeDecoder(verifier, make_drafter("dflash", verifier, drafter), "dflash")
+
+
 def medusa(tree_sampling: str):
     """Tree [(0,), (1,), (0, 0), (1, 0), (0, 1)] of heads copied from the verifier's own head (one step early)."""
     def build():
@@ -109,6 +121,8 @@ CASES = {
     "eagle3-chain-sampled": Case(eagle(3, chain=3), PROMPT),
     # the second draft of each step comes from a mask position, and is accepted too
     "eagle3-parallel": Case(eagle_parallel, PROMPT, min_deep=100),
+    # drafts 2 and 3 come from mask positions of the same block, and are accepted too
+    "dflash": Case(dflash, PROMPT, min_deep=100),
     "medusa-tree-sample": Case(medusa("sample"), PROMPT, first_rejected=(0.1, 0.95), lossless_flag=True),
     "medusa-tree-topk": Case(medusa("topk"), PROMPT, first_rejected=(0.1, 0.95), lossless_flag=True),
     "lookahead": Case(lookahead, PROMPT * 3, first_rejected=(0.05, 0.95)),

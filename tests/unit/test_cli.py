@@ -42,7 +42,7 @@ def test_overview_lists_every_verb():
 
 
 @pytest.mark.parametrize("argv, expect", [(["evaluate"], "unknown verb 'evaluate'; expected one of train, eval"),
-                                          (["train", "dflash"], "the trainer to run comes first; got 'dflash'")])
+                                          (["train", "dflash3"], "the trainer to run comes first; got 'dflash3'")])
 def test_a_mistake_is_one_clear_line(argv, expect):
     code, out, err = run(argv)
     assert code == 2 and expect in err and "Traceback" not in err

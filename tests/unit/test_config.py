@@ -122,10 +122,11 @@ def test_resolved_config_is_saved(tmp_path):
                          ids=lambda p: p.stem)
 def test_every_run_config_parses_with_its_trainer(path):
     """configs/*.yaml are read by the trainer their name says (validation included, no model loaded)."""
+    from draftheads.train.dflash import DFlashRunConfig
     from draftheads.train.eagle import EagleRunConfig
     from draftheads.train.medusa import MedusaRunConfig
 
-    cls = MedusaRunConfig if "medusa" in path.stem else EagleRunConfig
+    cls = MedusaRunConfig if "medusa" in path.stem else DFlashRunConfig if "dflash" in path.stem else EagleRunConfig
     cfg = parse_config(cls, ["--config", str(path)])
     if path.stem == "peagle-tiny":
         assert cfg.eagle.parallel and cfg.eagle.version == 3

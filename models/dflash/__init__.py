@@ -1,0 +1,39 @@
+"""DFlash (z-lab, 2026): block-diffusion drafting. A drafter of N Qwen3-shaped layers drafts a whole block of
+tokens in one forward, conditioned on the outputs of chosen verifier layers.
+
+Notation. The verifier has L_v layers; `target_layer_ids` (0-based) name the layers whose *outputs* the drafter
+reads (HF hidden_states[i + 1]; the reference spreads one per drafter layer over 1 .. L_v-3). At each committed
+position t their concatenation c_t (L*H) is fused once: ctx_t = hidden_norm(fc(c_t)) (H).
+
+A step. The anchor x_p is the last committed token (the verifier's own, so its features are not known yet). The
+block [x_p, MASK x (N-1)] (the verifier's embedding of each id, frozen) goes through the layers at positions
+p .. p+N-1. In every layer the queries come from the block, the keys and values from [ctx_0 .. ctx_{p-1}; block]
+(k_norm and RoPE on both; the context's depend only on ctx, so they are cached across steps); attention is
+bidirectional (sliding-window layers: causal within the window). After the final norm, the verifier's lm_head at
+block position k (1 <= k < N) proposes x_{p+k}: N-1 draft tokens, verified as a chain (+ the bonus token).
+
+Training (models/dflash/blocks.py, losses.py): A random anchors per row at loss-masked positions, all blocks in
+one forward over the row's whole context with the anchored block mask (a block sees the context strictly before its
+anchor and itself, never another block); position k learns x_{a+k} (or the verifier's greedy token there) with
+cross-entropy weighted exp(-(k-1)/gamma), gamma = 7 for N = 16, 4 for N = 8 (1 + 3N/8 in general).
+
+Parameter names and `forward` follow z-lab's `DFlashDraftModel` (`dflash` 0.1.0), so weights move between the two
+unchanged; the engine API is in drafter.py's docstring. Export / load: models/export.py.
+"""
+
+from draftheads.models.dflash.blocks import (  # noqa: F401
+    anchored_block_mask,
+    block_inputs,
+    block_targets,
+    sample_anchors,
+)
+from draftheads.models.dflash.config import (  # noqa: F401
+    DFlashConfig,
+    DFlashError,
+    default_gamma,
+    default_mask_token,
+    default_target_layers,
+)
+from draftheads.models.dflash.drafter import DFlashCache, DFlashDrafter, build_drafter  # noqa: F401
+from draftheads.models.dflash.losses import dflash_loss, position_weights  # noqa: F401
+from draftheads.models.dflash.train import DFlashTrainModule  # noqa: F401

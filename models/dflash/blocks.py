@@ -1,0 +1,90 @@
+"""Anchored blocks (pure functions): where a training row's blocks start, what they read, what they predict, and
+who sees whom.
+
+A row x_0 .. x_{T-1} with its verifier context (the target layers' outputs at every position) trains A blocks at
+once. Block j starts at anchor a = anchors[b, j]: it reads [x_a, MASK x (N-1)] at positions a .. a+N-1, and its
+position k (1 <= k < N) predicts x_{a+k}, exactly what an inference step does with the last committed token as the
+anchor. Attention (queries: the A*N block tokens; keys: [context 0..T-1 | block 0 | ... | block A-1]):
+  - block j sees the context strictly before its anchor (s < a: the verifier has not yet run on x_a at inference);
+  - block j sees its own N tokens (bidirectionally; sliding-window layers causally within the window);
+  - blocks never see each other. Invalid (padding) blocks see only themselves and train nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random distinct anchors per row among the positions a <= T-2 with loss_mask[a] = 1 (an assistant token,
+    with at least one token after it), up to `num_anchors` per row, sorted.
+
+    loss_mask (B, T) -> anchors (B, A) int64, valid (B, A) bool, A = min(num_anchors, the most any row has, >= 1);
+    rows with fewer candidates are padded with anchor 0, valid False."""
+    B, T = loss_mask.shape
+    candidate = loss_mask.bool().clone()
+    candidate[:, max(T - 1, 0):] = False  # the last position has nothing to predict
+    counts = candidate.sum(1)
+    A = max(1, min(num_anchors, int(counts.max()) if B else 0))
+    scores = torch.rand(B, T, generator=generator, device="cpu" if generator is not None else loss_mask.device)
+    scores = scores.to(loss_mask.device).masked_fill(~candidate, 2.0)  # candidates first, in random order
+    picked = scores.topk(A, dim=1, largest=False).indices  # (B, A)
+    valid = torch.arange(A, device=loss_mask.device)[None, :] < counts[:, None].clamp(max=A)
+    anchors = torch.where(valid, picked, torch.zeros_like(picked))
+    # sort the valid anchors, padding last
+    key = torch.where(valid, anchors, torch.full_like(anchors, T + 1))
+    order = key.argsort(dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' token ids and positions, flattened block after block: (B, A*N) each. Block j is
+    [x_a, MASK x (N-1)] at a .. a+N-1 (an invalid block: all MASK, at 0 .. N-1)."""
+    B, A = anchors.shape
+    N = block_size
+    anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
+    ids = torch.full((B, A, N), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
+    first = input_ids.gather(1, anchors)  # (B, A)
+    ids[:, :, 0] = torch.where(valid, first, torch.full_like(first, mask_token_id))
+    positions = anchors[:, :, None] + torch.arange(N, device=anchors.device)  # (B, A, N)
+    return ids.view(B, A * N), positions.view(B, A * N)
+
+
+def block_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What block positions k = 1..N-1 predict: tokens[a+k] (B, A, N-1), and whether it is trained: the block is
+    valid, a+k < T and loss_mask[a+k] = 1 (B, A, N-1) bool. `tokens` (B, T): the data, or the verifier's greedy
+    token at each position."""
+    B, T = tokens.shape
+    index = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # (B, A, N-1)
+    inside = index < T
+    index = index.clamp(max=T - 1)
+    flat = index.view(B, -1)
+    targets = tokens.gather(1, flat).view_as(index)
+    trained = loss_mask.bool().gather(1, flat).view_as(index) & inside & valid[:, :, None]
+    return targets, trained
+
+
+def anchored_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """(B, A*N, T + A*N) bool, True = attend: queries are the blocks' tokens, keys [context 0..T-1 | blocks]; see
+    the module docstring. With `sliding_window` (sliding layers): context keys also within the window of the query's
+    position, and the block causal within the window."""
+    B, A = anchors.shape
+    N, T = block_size, context_length
+    dev = anchors.device
+    anchor_of_query = torch.where(valid, anchors, torch.zeros_like(anchors)).repeat_interleave(N, dim=1)  # (B, A*N)
+    valid_of_query = valid.repeat_interleave(N, dim=1)
+    s = torch.arange(T, device=dev)
+    context = (s[None, None, :] < anchor_of_query[:, :, None]) & valid_of_query[:, :, None]  # (B, A*N, T)
+    q_block = torch.arange(A * N, device=dev) // N
+    q_offset = torch.arange(A * N, device=dev) % N
+    own = q_block[:, None] == q_block[None, :]  # (A*N, A*N)
+    if sliding_window is not None:
+        q_pos = anchor_of_query + q_offset  # (B, A*N)
+        context = context & (q_pos[:, :, None] - s[None, None, :] < sliding_window)
+        delta = q_offset[:, None] - q_offset[None, :]
+        own = own & (delta >= 0) & (delta < sliding_window)
+    return torch.cat([context, own.expand(B, A * N, A * N)], dim=-1)

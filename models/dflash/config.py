@@ -1,0 +1,218 @@
+"""What a DFlash drafter is: `DFlashConfig` (the `dflash` section of a run config), `DFlashError`, and the defaults
+the reference (`dflash` 0.1.0, z-lab) derives from the verifier: target layers and the loss decay gamma."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+#: Layer fields that default to the verifier's own (None in the config means "as the verifier").
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "rope_theta", "max_position_embeddings", "hidden_act")
+
+
+class DFlashError(ValueError):
+    """A DFlash drafter that cannot be built, trained or loaded as asked; the message says what to fix."""
+
+
+def _spread(start: int, end: int, n: int) -> list[int]:
+    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
+
+
+def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference's default target layers (0-based verifier layers whose *outputs* are read): one per drafter
+    layer, spread evenly over 1 .. L-3 and rounded (a one-layer drafter reads the middle layer, L // 2). Where that
+    repeats a layer (a shallow verifier: 4 layers, 2 drafter layers gives 1, 1), the spread goes over every
+    readable layer, 0 .. L-2, instead; a drafter with more layers than that has no default."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    ids = _spread(1, L - 3, n)
+    if len(set(ids)) == n:
+        return ids
+    ids = _spread(0, L - 2, n)
+    if len(set(ids)) != n:
+        raise DFlashError(f"dflash.target_layer_ids=null: a verifier of {L} layers has {L - 1} readable layer "
+                          f"outputs, fewer than the drafter's {n} layers; set dflash.target_layer_ids")
+    return ids
+
+
+def default_gamma(block_size: int) -> float:
+    """The loss decay for a block size: 1 + 3B/8, the line through the published pairs (B=16: 7, B=8: 4); B=4
+    gets 2.5, B=32 gets 13."""
+    return 1.0 + 3.0 * block_size / 8.0
+
+
+@dataclass
+class DFlashConfig:
+    """The `dflash:` section of a run config: the drafter's layers, block, target layers, mask token and loss.
+
+    Layer sizes left null take the verifier's (a Qwen3-shaped layer: q/k norms, SwiGLU MLP); hidden_size must be
+    the verifier's, since the drafter reads the verifier's embedding and lm_head."""
+
+    num_hidden_layers: int = 1
+    """Drafter decoder layers (z-lab's Qwen3-8B block-16 drafter: 5)."""
+    block_size: int = 16
+    """Tokens per drafted block: the anchor plus block_size - 1 mask positions, drafted in one forward."""
+    target_layer_ids: list[int] | None = None
+    """0-based verifier layers whose outputs (HF hidden_states[i + 1]) are concatenated into the context; null:
+    spread over 1 .. L-3 as the reference does (`default_target_layers`)."""
+    mask_token_id: int | None = None
+    """Token id at the mask positions (its verifier embedding, frozen); null: the verifier's pad token, else eos."""
+    gamma: float | None = None
+    """Loss decay: block position k's weight is exp(-(k-1)/gamma); null: 1 + 3B/8 (B=16: 7, B=8: 4)."""
+    num_anchors: int = 512
+    """Training: anchored blocks per sequence (random distinct loss-masked positions; fewer if the row has fewer)."""
+    targets: Literal["data", "verifier"] = "data"
+    """Training: what block position k learns, the data token anchor+k (self-distilled data: the verifier's own
+    output) or the verifier's greedy token there (argmax of its logits at anchor+k-1)."""
+    hidden_size: int | None = None
+    """Drafter width; null: the verifier's (it must be)."""
+    intermediate_size: int | None = None
+    """MLP width; null: the verifier's."""
+    num_attention_heads: int | None = None
+    """Query heads; null: the verifier's."""
+    num_key_value_heads: int | None = None
+    """Key/value heads; null: the verifier's."""
+    head_dim: int | None = None
+    """Per-head width; null: the verifier's (hidden_size / heads when it has none)."""
+    rms_norm_eps: float | None = None
+    """RMS norm epsilon; null: the verifier's."""
+    rope_theta: float | None = None
+    """RoPE base; null: the verifier's (positions are the verifier's positions)."""
+    max_position_embeddings: int | None = None
+    """Longest position; null: the verifier's."""
+    hidden_act: str | None = None
+    """MLP activation; null: the verifier's (silu)."""
+    attention_bias: bool = False
+    """Bias on q/k/v/o projections (Qwen3: none)."""
+    layer_types: list[str] | None = None
+    """Per drafter layer, `full_attention` (bidirectional inside the block) or `sliding_attention` (causal, within
+    `sliding_window`); null: all full."""
+    sliding_window: int | None = None
+    """Window of the sliding_attention layers."""
+    num_target_layers: int | None = None
+    """The verifier's layer count (checks target_layer_ids; written into the export); null: the verifier's."""
+    vocab_size: int | None = None
+    """The verifier's vocabulary size (the drafter's logits are the verifier's lm_head); null: the verifier's."""
+
+    def __post_init__(self):
+        for key in ("num_hidden_layers", "num_anchors"):
+            if getattr(self, key) < 1:
+                raise DFlashError(f"dflash.{key}={getattr(self, key)}: expected a positive integer")
+        if self.block_size < 2:
+            raise DFlashError(f"dflash.block_size={self.block_size}: expected at least 2 (the anchor and one "
+                              "mask position)")
+        for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "max_position_embeddings", "num_target_layers", "vocab_size", "sliding_window"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise DFlashError(f"dflash.{key}={value}: expected a positive integer or null")
+        for key in ("gamma", "rms_norm_eps", "rope_theta"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise DFlashError(f"dflash.{key}={value}: expected a number > 0 or null")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise DFlashError(f"dflash.mask_token_id={self.mask_token_id}: expected a token id >= 0 or null")
+        if self.mask_token_id is not None and self.vocab_size is not None and self.mask_token_id >= self.vocab_size:
+            raise DFlashError(f"dflash.mask_token_id={self.mask_token_id}: expected an id below vocab_size "
+                              f"{self.vocab_size}")
+        heads, kv = self.num_attention_heads, self.num_key_value_heads
+        if heads is not None and kv is not None and heads % kv:
+            raise DFlashError(f"dflash.num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+        if self.target_layer_ids is not None:
+            ids = [int(i) for i in self.target_layer_ids]
+            self.target_layer_ids = ids
+            if not ids or len(set(ids)) != len(ids) or any(i < 0 for i in ids):
+                raise DFlashError(f"dflash.target_layer_ids={ids}: expected distinct layer ids >= 0")
+            if self.num_target_layers is not None and max(ids) > self.num_target_layers - 2:
+                raise DFlashError(f"dflash.target_layer_ids={ids}: the verifier has {self.num_target_layers} layers; "
+                                  f"expected ids in 0..{self.num_target_layers - 2} (the last layer's output is "
+                                  "not read: HF reports it after the final norm)")
+        if self.layer_types is not None:
+            self.layer_types = [str(t) for t in self.layer_types]
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise DFlashError(f"dflash.layer_types has {len(self.layer_types)} entries; expected one per "
+                                  f"drafter layer ({self.num_hidden_layers})")
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if bad:
+                raise DFlashError(f"dflash.layer_types: {bad} unknown; expected full_attention or sliding_attention")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise DFlashError("dflash.layer_types has sliding_attention layers; set dflash.sliding_window")
+
+    # ---- resolved values -----------------------------------------------------------------------------------------
+    @property
+    def loss_gamma(self) -> float:
+        """gamma in effect: `gamma`, else `default_gamma(block_size)`."""
+        return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+
+    @property
+    def resolved(self) -> bool:
+        """Every field a drafter is built from is set (see `resolve`)."""
+        return all(getattr(self, key) is not None for key in (*LAYER_FIELDS, "target_layer_ids", "mask_token_id",
+                                                             "num_target_layers", "vocab_size"))
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types is not None else "full_attention"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "dflash") -> "DFlashConfig":
+        """A config from a plain dict (an export's metadata); unknown keys are refused naming `where`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise DFlashError(f"{where}: unknown DFlash config keys {unknown}")
+        return cls(**values)
+
+    def resolve(self, verifier_config) -> "DFlashConfig":
+        """A copy with every null filled from the verifier's HF config (`verifier_config`): its layer sizes,
+        layer count, vocabulary, the default target layers and mask token. Refuses a hidden_size other than the
+        verifier's, and target layers the verifier does not have."""
+        vc = verifier_config
+        heads = vc.num_attention_heads
+        rope = dict(getattr(vc, "rope_parameters", None) or {})
+        if isinstance(rope.get("full_attention"), dict):  # per layer type (Gemma 3): the global layers' rope
+            rope = dict(rope["full_attention"])
+        theirs = {
+            "hidden_size": vc.hidden_size,
+            "intermediate_size": vc.intermediate_size,
+            "num_attention_heads": heads,
+            "num_key_value_heads": getattr(vc, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(vc, "head_dim", None) or vc.hidden_size // heads,
+            "rms_norm_eps": getattr(vc, "rms_norm_eps", None) or 1e-6,
+            "rope_theta": float(rope.get("rope_theta") or getattr(vc, "rope_theta", None) or 10000.0),
+            "max_position_embeddings": getattr(vc, "max_position_embeddings", None) or 4096,
+            "hidden_act": getattr(vc, "hidden_act", None) or "silu",
+            "num_target_layers": vc.num_hidden_layers,
+            "vocab_size": vc.vocab_size,
+        }
+        values = self.to_dict()
+        for key, value in theirs.items():
+            if values[key] is None:
+                values[key] = value
+        if values["hidden_size"] != vc.hidden_size:
+            raise DFlashError(f"dflash.hidden_size={values['hidden_size']}: the drafter reads the verifier's "
+                              f"embedding and lm_head, so it must be the verifier's hidden_size {vc.hidden_size}")
+        for key in ("num_target_layers", "vocab_size"):
+            if values[key] != theirs[key]:
+                raise DFlashError(f"dflash.{key}={values[key]}, but the verifier has {theirs[key]}")
+        if values["target_layer_ids"] is None:
+            values["target_layer_ids"] = default_target_layers(vc.num_hidden_layers, self.num_hidden_layers)
+        if values["mask_token_id"] is None:
+            values["mask_token_id"] = default_mask_token(vc)
+        return DFlashConfig(**values)
+
+
+def default_mask_token(verifier_config) -> int:
+    """The verifier's pad token id, else its (first) eos token id."""
+    for key in ("pad_token_id", "eos_token_id"):
+        value = getattr(verifier_config, key, None)
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(value, int):
+            return value
+    raise DFlashError("the verifier's config has no pad_token_id or eos_token_id to use as the mask token; set "
+                      "dflash.mask_token_id")

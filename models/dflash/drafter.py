@@ -1,0 +1,337 @@
+"""The DFlash drafter (`DFlashDrafter`): N Qwen3-shaped layers that draft a whole block in one forward, conditioned on
+the outputs of chosen verifier layers. Its parameters and its `forward` are those of z-lab's `DFlashDraftModel`
+(`dflash` 0.1.0): a state dict loads into either unchanged (tests/e2e/test_dflash_reference.py checks it).
+
+Parameters: layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
+layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight, norm.weight,
+fc.weight [H, n*H], hidden_norm.weight. No embedding and no lm_head: the verifier's are read (frozen, shared).
+
+API for the spec-decode engine (shapes: B rows, n context tokens, N = block_size, H hidden, L = len(target layers)):
+
+  drafter.feature_layers -> list[int]
+      The verifier layer *inputs* (HF hidden_states[i]) to capture: target_layer_ids + 1, i.e. the outputs of the
+      target layers. Concatenate them in this order on the last dim: target_hidden (B, n, L*H).
+  drafter.context_kv(target_hidden (B, n, L*H), position_ids (B, n)) -> [(k, v)] * num_layers
+      The context's keys/values for every drafter layer, k/v (B, nkv, n, d), RoPE applied at position_ids. They
+      depend on nothing else, so an engine computes them once per committed token and keeps them in its own KV
+      cache (slot = position, as the EAGLE drafter does): append what the verifier accepted (the anchor and the
+      accepted drafts of a step, whose features the verification forward produced), never the rejected ones.
+  drafter.block(noise_embedding (B, N, H), position_ids (B, N), attend) -> hidden (B, N, H), final-normed
+      The block: row b is [anchor, MASK x (N-1)] at positions p_b .. p_b+N-1, where p_b is the anchor's position
+      (the last committed token, whose own feature is not yet in the context). noise_embedding =
+      drafter.embed(ids) (the verifier's embedding rows). attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d))
+      is the engine's: it puts the layer's cached context keys/values (slots < p_b, nothing else) in front of the
+      block's own k/v and returns the attention output (B, N, nh*d) (bidirectional over context + block for
+      full_attention layers; `drafter.attention_mask` builds that mask for a cache of slots = positions).
+  drafter.logits(hidden) -> (B, N, V): the verifier's lm_head; block position j >= 1 proposes the token at p_b + j.
+  drafter.attention_mask(context_lengths (B,), num_slots, position_ids (B, N)) -> (B, 1, N, num_slots + N) bool
+      For keys laid out [cache slots 0..num_slots-1 | block]: slot s visible iff s < context_lengths[b] (and
+      within the window, causal, for sliding layers: pass layer_idx).
+  DFlashCache: a simple per-layer cache with the reference's interface (update / get_seq_length / crop), for
+      `forward` and reference-style loops; `forward(..., past_key_values=cache)` appends context *and* block, so
+      crop the block back off afterwards (cache.crop(-N)), as the reference's generate loop does.
+
+  forward(position_ids (B, n+N), attention_mask=None, noise_embedding (B, N, H), target_hidden (B, n, L*H),
+          past_key_values=None, use_cache=False) -> (B, N, H)
+      z-lab's contract: the context's n positions then the block's N; keys [cache | context | block].
+
+Training (`training_loss`): many anchored blocks per row in one forward over the whole row's context; the anchors,
+block inputs, targets and mask are models/dflash/blocks.py, the weighted loss models/dflash/losses.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftheads.models.dflash.blocks import anchored_block_mask, block_inputs, block_targets, sample_anchors
+from draftheads.models.dflash.config import DFlashConfig, DFlashError
+from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
+from draftheads.models.dflash.losses import dflash_loss
+from draftheads.models.eagle.metrics import EagleOutput, step_counts
+
+
+class DFlashCache:
+    """Per-layer keys/values, concatenated as they come (the reference's DynamicCache interface, one length for
+    every row): update(k, v, layer_idx) -> the layer's whole k/v; get_seq_length(); crop(-n) drops the last n."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, cache_kwargs=None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer_idx] is not None:
+            k = torch.cat([self.keys[layer_idx], k], dim=2)
+            v = torch.cat([self.values[layer_idx], v], dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        k = self.keys[layer_idx]
+        return 0 if k is None else k.shape[2]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove entries (a negative count, HF's convention; 0 does nothing)."""
+        if tokens_to_remove > 0:
+            raise DFlashError(f"DFlashCache.crop({tokens_to_remove}): expected a negative count of entries to drop")
+        if tokens_to_remove == 0:
+            return
+        keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        for i, k in enumerate(self.keys):
+            if k is not None:
+                self.keys[i], self.values[i] = k[:, :, :keep], self.values[i][:, :, :keep]
+
+    def crop_to(self, length: int) -> None:
+        """Keep the first `length` entries (rejected tokens' entries go)."""
+        self.crop(min(length - self.get_seq_length(), 0))
+
+
+class _Held:
+    """The verifier's embedding and lm_head: read by the drafter, not its parameters (untouched by .to(dtype))."""
+
+    def __init__(self, **modules):
+        self.__dict__.update(modules)
+
+
+class DFlashDrafter(nn.Module):
+    """See the module docstring. Build with `build_drafter(verifier, cfg)` (or `DFlashDrafter(resolved_cfg)` for a
+    bare model, then `attach(verifier)` to read its embedding and lm_head)."""
+
+    def __init__(self, cfg: DFlashConfig, verifier=None):
+        super().__init__()
+        if not cfg.resolved:
+            raise DFlashError("DFlashDrafter needs a resolved config (cfg.resolve(verifier.config))")
+        self.cfg = cfg
+        H = cfg.hidden_size
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self._held = _Held(embed_tokens=None, lm_head=None)
+        if verifier is not None:
+            self.attach(verifier)
+
+    def attach(self, verifier) -> "DFlashDrafter":
+        """Read `verifier`'s embedding and lm_head (after checking that they fit this drafter)."""
+        if (verifier.hidden_size, verifier.vocab_size, verifier.num_layers) != (
+                self.cfg.hidden_size, self.cfg.vocab_size, self.cfg.num_target_layers):
+            raise DFlashError(f"verifier {verifier.name!r} has hidden_size {verifier.hidden_size}, vocab "
+                              f"{verifier.vocab_size}, {verifier.num_layers} layers; this drafter was built for "
+                              f"{self.cfg.hidden_size}, {self.cfg.vocab_size}, {self.cfg.num_target_layers}")
+        self._held = _Held(embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head)
+        return self
+
+    # ---- handles -------------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    @property
+    def block_size(self) -> int:
+        return self.cfg.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.cfg.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.cfg.target_layer_ids)
+
+    @property
+    def feature_layers(self) -> list[int]:
+        """Verifier layer inputs to capture (HF hidden_states[i]): the outputs of the target layers."""
+        return [i + 1 for i in self.cfg.target_layer_ids]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.cfg.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.cfg.head_dim
+
+    def _need_verifier(self):
+        if self._held.embed_tokens is None:
+            raise DFlashError("this DFlash drafter reads the verifier's embedding and lm_head: attach(verifier) first")
+        return self._held
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, N) -> (B, N, H): the verifier's embedding rows (frozen), in the drafter's dtype."""
+        with torch.no_grad():
+            return F.embedding(input_ids, self._need_verifier().embed_tokens.weight).to(self.dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, N, H) -> (B, N, V): the verifier's lm_head."""
+        lm_head = self._need_verifier().lm_head
+        return lm_head(hidden.to(lm_head.weight.dtype))
+
+    # ---- the computation -----------------------------------------------------------------------------------------
+    def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """(B, n, L*H) concatenated target-layer outputs -> (B, n, H): hidden_norm(fc(.)), the fused context."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.dtype)))
+
+    def _rope(self, position_ids: torch.Tensor, like: torch.Tensor):
+        return rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta, like.dtype)
+
+    def context_kv(self, target_hidden: torch.Tensor, position_ids: torch.Tensor
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Keys/values (B, nkv, n, d) of the context at position_ids (B, n), one pair per drafter layer."""
+        ctx = self.project(target_hidden)
+        cos, sin = self._rope(position_ids.expand(ctx.shape[0], -1), ctx)
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+
+    def block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The layers over a block (B, N, H) at position_ids (B, N), attention by `attend`; final-normed output."""
+        hidden = noise_embedding.to(self.dtype)
+        cos, sin = self._rope(position_ids.expand(hidden.shape[0], -1), hidden)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attend)
+        return self.norm(hidden)
+
+    def forward(self, position_ids: torch.Tensor, attention_mask=None, noise_embedding: torch.Tensor | None = None,
+                target_hidden: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False,
+                **kwargs) -> torch.Tensor:
+        """z-lab's contract: position_ids (B, n+N) of the context then the block; keys are [past | context | block]
+        (past: whatever `past_key_values.update` returns, which this call extends by context and block).
+        attention_mask: None (full_attention layers see every key; sliding layers causal within the window, by key
+        index), a bool/additive tensor (B, 1, N, S) for every layer, or a dict {layer_type: tensor}.
+        Returns the final-normed hidden states of the block (B, N, H)."""
+        if noise_embedding is None:
+            raise DFlashError("DFlashDrafter.forward needs noise_embedding (the embedded block)")
+        N = noise_embedding.shape[1]
+        n = 0 if target_hidden is None else target_hidden.shape[1]
+        if position_ids.shape[-1] != n + N:
+            raise DFlashError(f"position_ids has {position_ids.shape[-1]} positions; expected {n} context + {N} block")
+        ctx_kv = self.context_kv(target_hidden, position_ids[:, :n]) if n else None
+
+        def attend(i, q, k, v):
+            if ctx_kv is not None:
+                k = torch.cat([ctx_kv[i][0], k], dim=2)
+                v = torch.cat([ctx_kv[i][1], v], dim=2)
+            if past_key_values is not None:
+                k, v = past_key_values.update(k, v, i)
+            attn = self.layers[i].self_attn
+            mask = attention_mask.get(attn.layer_type) if isinstance(attention_mask, dict) else attention_mask
+            if mask is None and attn.sliding_window is not None:
+                mask = index_mask(N, k.shape[2], attn.sliding_window, q.device)
+            return attn.attend(q, k, v, mask)
+
+        return self.block(noise_embedding, position_ids[:, n:], attend)
+
+    def compute_logits(self, hidden: torch.Tensor, output_head: nn.Module) -> torch.Tensor:
+        """The reference's name: logits of `output_head` (the verifier's lm_head) over hidden."""
+        return output_head(hidden)
+
+    def attention_mask(self, context_lengths: torch.Tensor, num_slots: int, position_ids: torch.Tensor,
+                       layer_idx: int = 0) -> torch.Tensor:
+        """(B, 1, N, num_slots + N) bool for keys [cache slots 0..num_slots-1 (slot = position) | block]: slot s is
+        visible iff s < context_lengths[b]; the block sees itself (full layers) or causally within the window
+        (sliding layers), with the window also applied to the cache slots."""
+        dev = position_ids.device
+        B, N = position_ids.shape
+        slots = torch.arange(num_slots, device=dev)
+        ctx = slots[None, None, :] < context_lengths.to(dev)[:, None, None]  # (B, 1, S)
+        ctx = ctx.expand(B, N, num_slots)
+        own = torch.ones(N, N, dtype=torch.bool, device=dev)
+        window = self.layers[layer_idx].self_attn.sliding_window
+        if window is not None:
+            ctx = ctx & (position_ids[:, :, None] - slots[None, None, :] < window)
+            i = torch.arange(N, device=dev)
+            own = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
+        return torch.cat([ctx, own.expand(B, N, N)], dim=-1)[:, None]
+
+    # ---- training ------------------------------------------------------------------------------------------------
+    def anchored_hidden(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, anchors: torch.Tensor,
+                        valid: torch.Tensor) -> torch.Tensor:
+        """Every anchored block of every row in one forward: input_ids (B, T), target_hidden (B, T, L*H) (the
+        whole row's context), anchors / valid (B, A). Block j of row b reads [x_a, MASK x (N-1)] at positions
+        a .. a+N-1 (a = anchors[b, j]), sees the context strictly before a and its own block, no other block.
+        Returns the final-normed hidden (B, A, N, H)."""
+        B, T = input_ids.shape
+        A, N = anchors.shape[1], self.cfg.block_size
+        ids, positions = block_inputs(input_ids, anchors, valid, N, self.cfg.mask_token_id)  # (B, A*N) each
+        context_positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        masks = {kind: anchored_block_mask(anchors, valid, T, N, window)[:, None]
+                 for kind, window in self._mask_kinds()}
+        hidden = self(torch.cat([context_positions, positions], 1), masks, self.embed(ids), target_hidden)
+        return hidden.view(B, A, N, -1)
+
+    def _mask_kinds(self):
+        kinds = {}
+        for layer in self.layers:
+            kinds[layer.self_attn.layer_type] = layer.self_attn.sliding_window
+        return kinds.items()
+
+    def training_loss(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor,
+                      anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      generator: torch.Generator | None = None) -> EagleOutput:
+        """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` with the `feature_layers` inputs,
+        loss_mask (B, T); anchors: (anchors, valid) (B, A), else sampled (`cfg.num_anchors` per row).
+
+        Block position k = 1..N-1 predicts the token at anchor + k (the data token, or the verifier's greedy token
+        with cfg.targets = verifier), trained where it exists and loss_mask is 1, with weight exp(-(k-1)/gamma),
+        normalised by the sum of the weights (a weighted mean). The lm_head's logits are never all held at once
+        (models/linear_loss.py). Counts: block position k is right when its argmax equals the verifier's greedy
+        token at anchor + k, scored where loss_mask is 1 (`StepCounts` over K = N-1 positions)."""
+        cfg = self.cfg
+        N = cfg.block_size
+        if len(features.layers) != len(cfg.target_layer_ids):
+            raise DFlashError(f"DFlash needs the verifier features of layers {self.feature_layers} (the outputs of "
+                              f"target layers {cfg.target_layer_ids}); got {len(features.layers)} layer tensors")
+        target_hidden = torch.cat(features.layers, dim=-1)  # (B, T, L*H)
+        if anchors is None:
+            anchors = sample_anchors(loss_mask, cfg.num_anchors, generator=generator)
+        anchors, valid = anchors
+        hidden = self.anchored_hidden(input_ids, target_hidden, anchors, valid)[:, :, 1:]  # (B, A, N-1, H)
+        data_targets, trained = block_targets(input_ids, loss_mask, anchors, valid, N)  # (B, A, N-1)
+        greedy_targets = self._greedy_at(features, anchors)  # (B, A, N-1)
+        targets = data_targets if cfg.targets == "data" else greedy_targets
+        loss, step_losses = dflash_loss(hidden, self._need_verifier().lm_head.weight, targets, trained,
+                                        cfg.loss_gamma)
+        with torch.no_grad():
+            K = N - 1
+            correct = torch.stack([self.logits(hidden[:, :, k]).argmax(-1) == greedy_targets[:, :, k]
+                                   for k in range(K)])  # (K, B, A); one position's logits at a time
+            counts = step_counts(correct, trained.permute(2, 0, 1))  # scored where loss_mask is 1
+        return EagleOutput(loss=loss, step_losses=step_losses, counts=counts)
+
+    @torch.no_grad()
+    def _greedy_at(self, features, anchors: torch.Tensor) -> torch.Tensor:
+        """(B, A, N-1): the verifier's greedy token at anchor + k, k = 1..N-1 (argmax of its logits at anchor + k - 1,
+        clamped inside the row), one block position at a time (never the whole row's logits)."""
+        final = features.final  # (B, T, H)
+        B, T = final.shape[:2]
+        out = []
+        for k in range(1, self.cfg.block_size):
+            index = (anchors + k - 1).clamp(max=T - 1)  # (B, A)
+            if features.logits is not None:
+                rows = features.logits.gather(1, index[:, :, None].expand(-1, -1, features.logits.shape[-1]))
+            else:
+                h = final.gather(1, index[:, :, None].expand(-1, -1, final.shape[-1]))  # (B, A, H)
+                rows = self._need_verifier().lm_head(h)
+            out.append(rows.argmax(-1))
+        return torch.stack(out, dim=-1)
+
+
+def index_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:
+    """(1, 1, Nq, Nk) causal sliding-window mask by key index, the queries being the last Nq keys (the reference's
+    rule for sliding layers without an explicit mask)."""
+    q = num_keys - num_queries + torch.arange(num_queries, device=device)[:, None]
+    k = torch.arange(num_keys, device=device)[None, :]
+    return ((k <= q) & (q - k < window))[None, None]
+
+
+def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """A fresh drafter for `verifier` (its config resolved from the verifier's; fp32 unless `dtype`), on the
+    verifier's device, reading the verifier's embedding and lm_head."""
+    resolved = cfg.resolve(verifier.config)
+    verifier.check_layer_ids([i + 1 for i in resolved.target_layer_ids], key="dflash.target_layer_ids (+1)")
+    drafter = DFlashDrafter(resolved, verifier)
+    return drafter.to(device=verifier.device, dtype=dtype or torch.float32)

@@ -1,0 +1,139 @@
+"""The DFlash drafter's decoder layer: Qwen3-shaped (q/k norms, SwiGLU MLP), its attention's queries from the block
+only, its keys and values from the fused context followed by the block. Module names are z-lab's `dflash` 0.1.0
+`Qwen3DFlashDecoderLayer`'s, so a state dict moves between the two unchanged."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftheads.models.dflash.config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, the statistics in fp32 (Qwen3's)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), no biases."""
+
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.act_fn = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables (default rope) for positions (B, N): cos, sin (B, N, d), angles computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+                                / head_dim))  # (d/2,)
+    freqs = position_ids.float()[..., None] * inv_freq  # (B, N, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, heads, N, d) rotated by cos/sin (B, N, d)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Block queries over [context; block] keys and values. Projections, q_norm / k_norm (per head), then RoPE."""
+
+    def __init__(self, cfg: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.layer_type = cfg.layer_type(layer_idx)
+        self.sliding_window = cfg.sliding_window if self.layer_type == "sliding_attention" else None
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        B, N, _ = x.shape
+        return x.view(B, N, n, self.head_dim)  # (B, N, heads, d)
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of inputs x (B, N, H) at the positions of cos/sin: (B, nkv, N, d) each, keys normed and
+        rotated. The context (the fused verifier features) and the block both go through this."""
+        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries of the block x (B, N, H): (B, nh, N, d), normed and rotated."""
+        q = self.q_norm(self._heads(self.q_proj(x), self.num_heads)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T * scaling + mask) v with grouped kv heads: q (B, nh, N, d), k/v (B, nkv, S, d), mask
+        broadcastable to (B, nh, N, S), bool (True = attend) or additive, None = all visible. -> (B, N, nh*d)."""
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)  # (B, nh, N, d)
+        B, _, N, _ = out.shape
+        return out.transpose(1, 2).reshape(B, N, -1)
+
+
+#: attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d) of the block's own tokens) -> (B, N, nh*d): the caller
+#: puts the context's keys/values (however it keeps them) in front of the block's and runs the attention.
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecoderLayer(nn.Module):
+    """One drafter layer (pre-norm): h = x + o_proj(attn(input_layernorm(x))); out = h + mlp(post_norm(h))."""
+
+    def __init__(self, cfg: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        attn = self.self_attn
+        x = self.input_layernorm(hidden)
+        q = attn.queries(x, cos, sin)
+        k, v = attn.kv(x, cos, sin)
+        h = hidden + attn.o_proj(attend(attn.layer_idx, q, k, v))
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# DFlash beside EAGLE-3, P-EAGLE and n-gram lookup on one training budget: the same verifier, self-distilled data
+# (the verifier's own continuations of stdlib functions, scripts/selfdistill_data.py), steps, batch and seed for
+# every drafter. DFlash at block sizes 4, 8 and 16 (configs/dflash-tiny.yaml), EAGLE-3 (configs/eagle3-tiny.yaml)
+# and P-EAGLE (configs/peagle-tiny.yaml) drafting chains of 4; then one decode benchmark over all of them at T = 0
+# on HumanEval prompts (scripts/bench_decode.py, methods taking turns prompt by prompt), and one table: tau,
+# per-position acceptance, tokens/s and the drafter's milliseconds per step.
+#
+#   bash scripts/bench_dflash.sh      # DFLASH_VERIFIER=tiny-code DFLASH_STEPS=600 DFLASH_DIR=runs/bench-dflash ...
+#   DFLASH_VERIFIER=tiny-micro DFLASH_STEPS=20 DFLASH_SEQ_LEN=64 DFLASH_DATA_PROMPTS=32 DFLASH_PROMPTS=2 \
+#     DFLASH_MAX_NEW_TOKENS=32 bash scripts/bench_dflash.sh      # a smoke run of the whole pipeline (minutes)
+#
+# Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
+set -euo pipefail
+source "$(dirname "$0")/setup_env.sh"
+VERIFIER=${DFLASH_VERIFIER:-tiny-code}
+STEPS=${DFLASH_STEPS:-600}
+WARMUP=${DFLASH_WARMUP:-$(( STEPS >= 200 ? 20 : STEPS / 10 + 1 ))}  # the configs' 20 of 600; less for a smoke run
+SEQ_LEN=${DFLASH_SEQ_LEN:-256}
+DIR=${DFLASH_DIR:-runs/bench-dflash}
+PROMPTS=${DFLASH_PROMPTS:-8}
+TOKENS=${DFLASH_MAX_NEW_TOKENS:-128}
+BLOCKS=${DFLASH_BLOCKS:-4 8 16}
+DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
+# tiny-micro has 4 layers: EAGLE's default feature layers (2, L//2, L-3 made distinct), not tiny-code's [2, 4, 7]
+LAYERS=${DFLASH_EAGLE_LAYER_IDS:-$([ "$VERIFIER" = tiny-micro ] && echo null || echo "")}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+mkdir -p "$DIR"
+[ -f "$DIR/selfdistill.jsonl" ] || PYTHONPATH=. python scripts/selfdistill_data.py --verifier "$VERIFIER" \
+  --out "$DIR/selfdistill.jsonl" --num-prompts "$DATA_PROMPTS"
+COMMON=(--verifier "$VERIFIER" --wandb.enabled=false --train.max_steps="$STEPS" --train.eval_every="$STEPS"
+        --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
+        --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8)
+
+train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder
+  local label=$1 script=$2 config=$3
+  shift 3
+  if [ ! -f "$DIR/$label/drafter/config.json" ]; then
+    echo "== training $label ($STEPS steps) $*"
+    python "$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@"
+  fi
+}
+
+train eagle3 train/eagle.py configs/eagle3-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
+train peagle train/eagle.py configs/peagle-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
+DFLASH=()
+for b in $BLOCKS; do
+  # the data are the verifier's own output: block position k learns the data token (dflash.targets=data)
+  train "dflash-b$b" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" --dflash.targets=data
+  DFLASH+=("b$b=$DIR/dflash-b$b/drafter")
+done
+
+python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \
+  --max-new-tokens "$TOKENS" --temperatures 0 --threads 1 --runs "$DIR" --variants autoregressive ngram \
+  --eagle3-extra "tiny=$DIR/eagle3/drafter" "peagle=$DIR/peagle/drafter" --extra-chains 4 \
+  --dflash-extra "${DFLASH[@]}"
+
+python - "$DIR/bench/bench.json" <<'EOF'
+import json, sys
+bench = json.load(open(sys.argv[1]))
+res = bench["results"]["0.0"]
+print(f"\n## DFlash beside EAGLE-3, P-EAGLE and n-gram ({bench['verifier']}, {bench['settings']['num_prompts']} "
+      f"HumanEval prompts, {bench['settings']['max_new_tokens']} new tokens, T = 0)\n")
+print("| method | tau | per-position acceptance | tokens/s | speedup | drafter ms / step |")
+print("|---|---:|---|---:|---:|---:|")
+for label, row in res["summary"].items():
+    pos = " ".join(f"{p:.2f}" for p in row.get("per_position_acceptance") or []) or "-"
+    ms = res["step_profile"].get(label, {}).get("draft_ms")
+    print(f"| {label} | {row['tau']:.2f} | {pos} | {row['tokens_per_s']:.1f} | {row['speedup'] or 0:.2f}x | "
+          f"{'-' if ms is None else f'{ms:.2f}'} |")
+EOF

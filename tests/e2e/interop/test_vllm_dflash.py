@@ -1,0 +1,119 @@
+"""Our DFlash exports in real vLLM (the CPU build of 0.32 in .venv-vllm; method "dflash", enforce_eager).
+
+For a Llama and a Qwen3 verifier, z-lab's layout (`speculative_config={"method": "dflash", "model": FOLDER,
+"num_speculative_tokens": 3}`), and for Qwen3 the speculators format served as `LLM(model=FOLDER)`; one batch of
+one prompt and one of three prompts of different lengths:
+  - vLLM's greedy outputs equal plain greedy decoding of the verifier;
+  - vLLM's accepted draft tokens, per request and per verification step (and its totals and per-position
+    counters), equal our engine's exactly, our engine drafting the same block of 4 with the first token from the
+    prefill as vLLM does.
+The drafters are trained briefly on the verifiers' own continuations, so drafts from every mask position are
+accepted: a layer id off by one, a missed +1, a norm left out or a causal mask where the block is bidirectional
+changes the counts. `draftheads serve-check` passes on both layouts and fails, naming the field, on an export whose
+target_layer_ids were edited in config.json after training.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftheads.eval import build_decoder
+from draftheads.eval.interop import serve_check
+from draftheads.eval.interop.vllm_peer import VllmCase, run_vllm
+from draftheads.models.dflash import DFlashConfig, build_drafter
+from draftheads.models.export import export_dflash
+from draftheads.models.verifier import Verifier
+from tests.e2e.interop.test_vllm import FIT, PROMPTS, SIZE
+from tests.utils import greedy_corpus, hf_greedy, peaked_model, save_tiny_verifier_with_tokenizer, \
+    train_eagle_briefly
+
+pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
+
+K, MAX_NEW = 3, 32
+BATCHES = [PROMPTS[:1], PROMPTS]
+
+
+def trained_drafter(verifier, corpus):
+    """One DFlash layer reading the outputs of verifier layers 0 and 2, block 4, trained a few steps."""
+    import torch
+
+    torch.manual_seed(0)
+    cfg = DFlashConfig(num_hidden_layers=1, block_size=K + 1, target_layer_ids=[0, 2], mask_token_id=0,
+                       num_anchors=64)
+    return train_eagle_briefly(build_drafter(verifier, cfg), verifier, corpus, steps=20, lr=1e-2)
+
+
+@pytest.fixture(scope="module")
+def interop(tmp_path_factory, vllm_ready):
+    root = tmp_path_factory.mktemp("interop-dflash")
+    cases, ours, references = [], {}, {}
+    for family in ("llama", "qwen3"):
+        model = peaked_model(family, **SIZE)
+        vdir = root / family / "verifier"
+        model.save_pretrained(vdir, safe_serialization=True)
+        verifier = Verifier.from_pretrained(vdir)
+        drafter = trained_drafter(verifier, greedy_corpus(verifier.model, FIT, 40))
+        references[family] = {tuple(p): hf_greedy(verifier.model, p, MAX_NEW) for p in PROMPTS}
+        engines = ["vllm", "speculators"] if family == "qwen3" else ["vllm"]
+        for engine in engines:
+            name = f"{family}-dflash-{engine}"
+            folder = export_dflash(drafter, root / family / engine, verifier, engine=engine)
+            cases.append(VllmCase(name, str(vdir), str(folder), "dflash", batches=BATCHES, k=K, max_tokens=MAX_NEW,
+                                  serve_drafter=engine == "speculators"))
+            dec = build_decoder(verifier, draft=str(folder), method="dflash", first_token="prefill")
+            ours[name] = [dec.generate(batch, MAX_NEW, eos_token_id=None) for batch in BATCHES]
+    result = run_vllm(cases)
+    return {"ours": ours, "vllm": {c["name"]: c for c in result["cases"]}, "references": references}
+
+
+@pytest.mark.parametrize("name", ["llama-dflash-vllm", "qwen3-dflash-vllm", "qwen3-dflash-speculators"])
+def test_vllm_decodes_like_plain_greedy_and_accepts_what_we_accept(interop, name):
+    vllm = interop["vllm"][name]
+    assert vllm["ok"], f"vLLM refused {name}: {vllm.get('error')}\n{vllm.get('traceback')}"
+    refs = interop["references"][name.split("-")[0]]
+    for batch, ours, theirs in zip(BATCHES, interop["ours"][name], vllm["batches"]):
+        want = [refs[tuple(p)] for p in batch]
+        assert theirs["outputs"] == want, f"{name}: vLLM's output is not plain greedy decoding"
+        assert ours.output_ids == want
+        assert theirs["per_step_accepted"] == ours.stats.accepted, name  # per request, per verification step
+        steps = [a for row in ours.stats.accepted for a in row]
+        assert theirs["metrics"]["vllm:spec_decode_num_accepted_tokens"] == sum(steps)
+        assert theirs["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"] == \
+            [sum(a > i for a in steps) for i in range(K)]
+        assert theirs["metrics"]["vllm:spec_decode_num_drafts"] == len(steps)
+    steps = [a for o in interop["ours"][name] for row in o.stats.accepted for a in row]
+    assert sum(steps) >= 10 and sum(a == K for a in steps) >= 2, \
+        f"{name}: too few accepted drafts ({sum(steps)}) for the comparison to mean much"
+
+
+def test_serve_check_passes_dflash_exports_and_fails_an_edited_one(tmp_path, capsys, vllm_ready):
+    from transformers import AutoTokenizer
+
+    from draftheads.data.prompts import load_prompts, prompt_ids
+
+    vdir = save_tiny_verifier_with_tokenizer(tmp_path / "verifier", "qwen3", initializer_range=0.1, **SIZE)
+    verifier = Verifier.from_pretrained(vdir)
+    tokenizer = AutoTokenizer.from_pretrained(vdir)
+    prompts = [prompt_ids(p, tokenizer) for p in load_prompts("humaneval", 3)]
+    drafter = trained_drafter(verifier, greedy_corpus(verifier.model, prompts, 40))
+    good = export_dflash(drafter, tmp_path / "dflash", verifier)
+    spec = export_dflash(drafter, tmp_path / "speculators", verifier, engine="speculators")
+    broken = export_dflash(drafter, tmp_path / "broken", verifier)  # target layers edited after training
+    config = json.loads((broken / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [1, 2]
+    (broken / "config.json").write_text(json.dumps(config))
+    code = serve_check.main(["--verifier", str(vdir), "--draft", str(good), str(spec), str(broken),
+                             "--num-prompts", "3", "--max-new-tokens", "24"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    for folder in (good, spec):
+        line = next(x for x in out.splitlines() if x.startswith(f"VERDICT {folder}:"))
+        assert line.startswith(f"VERDICT {folder}: PASS"), out
+    line = next(x for x in out.splitlines() if x.startswith(f"VERDICT {broken}:"))
+    assert line.startswith(f"VERDICT {broken}: FAIL - config.json disagrees with how it was trained "
+                           "(target_layer_ids"), out
+    section = out.split(f"== {broken} ")[1].split("VERDICT")[0]
+    assert "DISAGREES target_layer_ids: vLLM reads [1, 2] (config.json dflash_config.target_layer_ids)" in section
+    assert "accepted per step: DIFFERENT" not in section, section  # our reading of vLLM's reading holds

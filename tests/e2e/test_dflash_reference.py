@@ -1,0 +1,63 @@
+"""Our DFlash drafter against z-lab's reference (`dflash` 0.1.0, in .venv-dflash: scripts/setup_dflash_reference.sh),
+run in a subprocess on the same weights and inputs: the reference loads our state dict strictly into its
+`DFlashDraftModel`, its hidden states and logits equal ours (float32), and its `dflash_generate` decodes greedily
+what our reference-style loop decodes, token for token and with the same tokens accepted at every step."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftheads.models.dflash import DFlashConfig, build_drafter
+from draftheads.models.verifier import Verifier
+from tests.dflash_reference import greedy_decode, write_case
+from tests.utils import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = ROOT / ".venv-dflash" / "bin" / "python"
+pytestmark = pytest.mark.skipif(not PYTHON.exists(), reason=(
+    "no .venv-dflash: `bash scripts/setup_dflash_reference.sh` installs z-lab's reference DFlash for this check"))
+
+PROMPT = [1, 0, 2, 2, 1, 0]
+NEW_TOKENS = 40
+
+
+def run_reference(case: Path) -> dict:
+    from safetensors.torch import load_file
+
+    proc = subprocess.run([str(PYTHON), str(ROOT / "tests" / "dflash_reference_runner.py"), str(case)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return load_file(str(case / "reference.safetensors"))
+
+
+def test_reference_equality(tmp_path):
+    # A 4-token vocabulary and a lively random target (init 0.5, seed 1): random drafts are accepted often enough
+    # that the accepted counts vary from step to step (1 to the whole block), so comparing them can fail.
+    target = tiny_model("qwen3", seed=1, num_layers=6, vocab_size=4, initializer_range=0.5)
+    verifier = Verifier(target)
+    torch.manual_seed(0)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=4, mask_token_id=3)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(0)
+    n, N, H = 5, drafter.block_size, drafter.cfg.hidden_size
+    inputs = {"target_hidden": torch.randn(2, n, 2 * H, generator=g),
+              "noise_embedding": torch.randn(2, N, H, generator=g),
+              "position_ids": torch.arange(3, 3 + n + N)[None].expand(2, -1)}
+    case = write_case(tmp_path / "case", drafter, inputs, target,
+                      {"input_ids": PROMPT, "max_new_tokens": NEW_TOKENS, "stop": None})
+    ref = run_reference(case)
+
+    with torch.no_grad():
+        hidden = drafter(**inputs)
+        logits = drafter.logits(hidden)
+    assert torch.allclose(hidden, ref["hidden"], atol=1e-5, rtol=1e-5), (hidden - ref["hidden"]).abs().max()
+    assert torch.allclose(logits, ref["logits"], atol=1e-5, rtol=1e-5), (logits - ref["logits"]).abs().max()
+
+    output, produced = greedy_decode(drafter, target, torch.tensor([PROMPT]), NEW_TOKENS)
+    assert output[0].tolist() == ref["output_ids"].tolist()
+    assert produced == ref["acceptance_lengths"].tolist()
+    assert len(set(produced)) > 2 and max(produced) == N  # the counts vary: a wrong drafter would show

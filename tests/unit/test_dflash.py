@@ -1,0 +1,181 @@
+"""DFlash (models/dflash/): config rules, anchors, the anchored block mask and the loss against slow references,
+and the property that makes training mean inference: a block trained among many equals that block drafted alone."""
+
+import pytest
+import torch
+
+from draftheads.models.dflash import (
+    DFlashCache,
+    DFlashConfig,
+    DFlashError,
+    anchored_block_mask,
+    block_inputs,
+    block_targets,
+    build_drafter,
+    default_gamma,
+    default_target_layers,
+    position_weights,
+    sample_anchors,
+)
+from draftheads.models.verifier import Verifier
+from tests.dflash_reference import slow_block_mask, slow_loss
+from tests.utils import tiny_model
+
+N = 4  # block size of the small drafters here
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return Verifier(tiny_model("qwen3", num_layers=6, vocab_size=64))
+
+
+def make(verifier, seed=0, **overrides):
+    torch.manual_seed(seed)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, **overrides)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2)
+    return drafter
+
+
+# ---- config ------------------------------------------------------------------------------------------------------
+def test_defaults_follow_the_reference():
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, 5 layers: spread over 1..L-3
+    assert default_target_layers(6, 1) == [3]
+    assert default_target_layers(4, 2) == [0, 2] and default_target_layers(4, 3) == [0, 1, 2]  # shallow
+    with pytest.raises(DFlashError, match="set dflash.target_layer_ids"):
+        default_target_layers(3, 3)
+    assert (default_gamma(16), default_gamma(8)) == (7.0, 4.0)
+    assert DFlashConfig(block_size=8).loss_gamma == 4.0 and DFlashConfig(gamma=2.5).loss_gamma == 2.5
+
+
+@pytest.mark.parametrize("values, key", [
+    ({"block_size": 1}, "dflash.block_size=1"),
+    ({"target_layer_ids": [3, 3]}, "dflash.target_layer_ids=[3, 3]"),
+    ({"target_layer_ids": [1, 5], "num_target_layers": 6}, "expected ids in 0..4"),
+    ({"num_attention_heads": 6, "num_key_value_heads": 4}, "not a multiple"),
+    ({"layer_types": ["sliding_attention"]}, "dflash.sliding_window"),
+    ({"gamma": 0.0}, "dflash.gamma=0.0"),
+])
+def test_bad_config_one_line(values, key):
+    with pytest.raises(DFlashError, match=key.replace("[", r"\[").replace("]", r"\]")) as err:
+        DFlashConfig(**values)
+    assert "\n" not in str(err.value)
+
+
+def test_resolve_from_verifier(verifier):
+    cfg = DFlashConfig(num_hidden_layers=2).resolve(verifier.config)
+    vc = verifier.config
+    assert cfg.resolved and cfg.target_layer_ids == [1, 3] and cfg.mask_token_id == vc.pad_token_id
+    assert (cfg.hidden_size, cfg.head_dim, cfg.num_target_layers) == (vc.hidden_size, vc.head_dim, 6)
+    assert DFlashConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(DFlashError, match="hidden_size"):
+        DFlashConfig(hidden_size=32).resolve(vc)
+    with pytest.raises(DFlashError, match="unknown DFlash config keys"):
+        DFlashConfig.from_dict({"blocksize": 4})
+
+
+# ---- anchors, mask, loss -----------------------------------------------------------------------------------------
+def test_anchors_are_distinct_loss_masked_and_sorted():
+    loss_mask = torch.zeros(3, 20, dtype=torch.long)
+    loss_mask[0, 5:] = 1
+    loss_mask[1, 2:6] = 1
+    anchors, valid = sample_anchors(loss_mask, 8, generator=torch.Generator().manual_seed(0))
+    assert anchors.shape == (3, 8) and valid.sum(1).tolist() == [8, 4, 0]
+    for b in range(3):
+        row = anchors[b][valid[b]].tolist()
+        assert row == sorted(set(row)) and all(loss_mask[b, a] and a <= 18 for a in row)
+    assert set(anchors[1][valid[1]].tolist()) == {2, 3, 4, 5}
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_block_mask_matches_slow_reference(window):
+    g = torch.Generator().manual_seed(1)
+    loss_mask = (torch.rand(2, 11, generator=g) < 0.7).long()
+    anchors, valid = sample_anchors(loss_mask, 3, generator=g)
+    valid[1, -1] = False  # a padding block
+    mask = anchored_block_mask(anchors, valid, 11, N, window)
+    assert torch.equal(mask, slow_block_mask(anchors, valid, 11, N, window))
+
+
+def test_loss_matches_slow_reference(verifier):
+    drafter = make(verifier)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    loss_mask = torch.ones(2, 12, dtype=torch.long)
+    loss_mask[0, :4] = 0
+    loss_mask[1, 9] = 0
+    anchors = sample_anchors(loss_mask, 5, generator=g)
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    out = drafter.training_loss(ids, feats, loss_mask, anchors=anchors)
+    with torch.no_grad():
+        hidden = drafter.anchored_hidden(ids, torch.cat(feats.layers, -1), *anchors)
+        logits = drafter.logits(hidden[:, :, 1:])
+    expected = slow_loss(logits, ids, loss_mask, *anchors, drafter.cfg.loss_gamma)
+    assert torch.allclose(out.loss.double(), expected, atol=1e-5)
+    out.loss.backward()
+    assert drafter.fc.weight.grad.abs().sum() > 0 and verifier.lm_head.weight.grad is None
+
+
+def test_block_targets_and_inputs():
+    ids = torch.arange(10)[None] + 100
+    loss_mask = torch.ones(1, 10, dtype=torch.long)
+    loss_mask[0, 7] = 0
+    anchors, valid = torch.tensor([[2, 6, 0]]), torch.tensor([[True, True, False]])
+    targets, trained = block_targets(ids, loss_mask, anchors, valid, N)
+    assert targets[0, 0].tolist() == [103, 104, 105]
+    assert trained[0].tolist() == [[True, True, True], [False, True, True], [False, False, False]]
+    tokens, positions = block_inputs(ids, anchors, valid, N, mask_token_id=7)
+    assert tokens[0, :N].tolist() == [102, 7, 7, 7] and positions[0, N:2 * N].tolist() == [6, 7, 8, 9]
+    assert tokens[0, 2 * N:].tolist() == [7] * N
+    assert torch.allclose(position_weights(16, 7.0)[:2], torch.tensor([1.0, torch.exp(torch.tensor(-1 / 7))]))
+
+
+# ---- training = inference ----------------------------------------------------------------------------------------
+def test_anchored_blocks_equal_blocks_drafted_alone(verifier):
+    """Block j trained among others (one forward, the anchored mask) = the same block drafted at inference from
+    the context before its anchor, through the cache the engine keeps (context appended in two pieces)."""
+    drafter = make(verifier)
+    ids = torch.randint(0, 64, (1, 14), generator=torch.Generator().manual_seed(3))
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    ctx = torch.cat(feats.layers, -1)  # (1, T, L*H)
+    anchors, valid = torch.tensor([[0, 5, 9]]), torch.ones(1, 3, dtype=torch.bool)
+    with torch.no_grad():
+        trained = drafter.anchored_hidden(ids, ctx, anchors, valid)  # (1, 3, N, H)
+        for j, a in enumerate(anchors[0].tolist()):
+            block = torch.full((1, N), drafter.mask_token_id)
+            block[0, 0] = ids[0, a]
+            positions = torch.arange(a, a + N)[None]
+            if a == 0:
+                alone = drafter(positions, noise_embedding=drafter.embed(block), target_hidden=None)
+            else:
+                cache = DFlashCache(len(drafter.layers))
+                half = a // 2
+                for lo, hi in ((0, half), (half, a)):
+                    for i, (k, v) in enumerate(drafter.context_kv(ctx[:, lo:hi], torch.arange(lo, hi)[None])):
+                        cache.update(k, v, i)
+                full = drafter(torch.cat([torch.arange(a)[None], positions], 1), noise_embedding=drafter.embed(block),
+                               target_hidden=ctx[:, :a])
+
+                def attend(i, q, k, v):
+                    keys = torch.cat([cache.keys[i], k], 2)
+                    return drafter.layers[i].self_attn.attend(q, keys, torch.cat([cache.values[i], v], 2), None)
+
+                alone = drafter.block(drafter.embed(block), positions, attend)
+                assert torch.allclose(alone, full, atol=1e-5)
+            assert torch.allclose(trained[0, j], alone[0], atol=1e-5), f"block at anchor {a}"
+
+
+def test_cache_crop_and_engine_mask(verifier):
+    drafter = make(verifier)
+    cache = DFlashCache(2)
+    for i in range(2):
+        cache.update(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), i)
+    cache.crop_to(3)
+    assert cache.get_seq_length() == 3 and cache.values[1].shape[2] == 3
+    with pytest.raises(DFlashError):
+        cache.crop(2)
+    mask = drafter.attention_mask(torch.tensor([2, 4]), 5, torch.tensor([[2, 3, 4, 5], [4, 5, 6, 7]]))
+    assert mask.shape == (2, 1, N, 5 + N)
+    assert mask[0, 0, 0].tolist() == [True, True, False, False, False] + [True] * N
+    assert mask[1, 0, 3, :5].tolist() == [True] * 4 + [False]

@@ -1,0 +1,173 @@
+"""Train a DFlash drafter (block-diffusion drafting) on a frozen verifier's hidden states.
+
+    accelerate launch train/dflash.py --config configs/dflash-tiny.yaml
+    accelerate launch train/dflash.py --config configs/dflash-tiny.yaml --dflash.block_size=8 --train.max_steps=50
+    accelerate launch --multi_gpu --num_processes 8 train/dflash.py --config configs/qwen3-8b-dflash.yaml
+
+(`python train/dflash.py ...` and `draftheads train dflash ...` are the same run in one process.)
+
+The run folder (`output_dir`) gets config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (a rerun of the
+same command continues from the newest) and drafter/, z-lab's layout that vLLM (`method: dflash`) and SGLang
+(`--speculative-algorithm DFLASH`) load (`engine: speculators` writes the speculators format instead).
+
+In order (the drafter, its anchored blocks and loss live in models/dflash/):
+  1. the frozen verifier and its tokenizer; fixed-length token rows of the training and held-out data;
+  2. the drafter (its layer sizes, target layers and mask token resolved from the verifier's config), AdamW, the
+     warm-up + cosine schedule, and one `accelerator.prepare`;
+  3. per micro-batch: verifier features (online: one verifier forward under no-grad keeping only the target layers'
+     outputs; offline: the hidden-state cache), `dflash.num_anchors` random anchored blocks per row in one drafter
+     forward, the decayed cross-entropy, backward, `loop.step` (clip, optimizer, schedule, logs, checkpoints);
+  4. held-out evaluation every `train.eval_every` steps and at the end: per block position accuracy against the
+     verifier's greedy token, conditional and cumulative, and the simulated acceptance length (eval/...);
+  5. the export, with a training summary in its `draftheads` metadata;
+  6. the train/serve check (`consistency` section, train/finish.py): the export, reloaded from disk, decodes
+     held-out prompts through our engine; its tau is logged as eval/tau, and a difference from the in-memory
+     drafter's (eval/tau_in_memory) exits non-zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from draftheads.data.progress import quiet
+from draftheads.models.dflash import DFlashConfig, DFlashTrainModule, build_drafter
+from draftheads.models.dtypes import to_dtype
+from draftheads.models.eagle import StepCounts
+from draftheads.models.export import check_dflash_engine, export_dflash
+from draftheads.train.cli import main_guard
+from draftheads.train.config import ConfigError, RunConfig
+from draftheads.train.features import batch_tokens, feature_source
+from draftheads.train.finish import finish_run
+from draftheads.train.heldout import heldout_sums
+from draftheads.train.loaders import get_dataloaders
+from draftheads.train.loop import TrainLoop
+from draftheads.train.optim import build_optimizer, cosine_schedule
+from draftheads.train.placement import load_verifier, unsharded
+from draftheads.train.tracking import build_accelerator, log_table, start_tracking
+
+
+@dataclass
+class DFlashRunConfig(RunConfig):
+    """A DFlash drafter training run."""
+
+    output_dir: str = "runs/dflash"
+    """Run folder: config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints and the exported drafter in drafter/."""
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
+    """The drafter: layers, block size, target layers, mask token, anchors and the loss decay."""
+    engine: Literal["vllm", "sglang", "speculators"] = "vllm"
+    """Layout of the exported drafter (models/layouts/dflash_*.py): z-lab's (vLLM and SGLang read it), or the
+    speculators library's. Settings the engine would read differently from how the drafter trains are refused
+    when the config is read."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the exported weights (training keeps fp32 master weights either way)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        try:
+            check_dflash_engine(self.dflash, self.engine)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if self.dflash.block_size > self.data.seq_len:
+            raise ConfigError(f"dflash.block_size={self.dflash.block_size} > data.seq_len={self.data.seq_len}: a "
+                              "block would not fit in a training row; lower the block or raise data.seq_len")
+
+
+def step_metrics(out) -> dict[str, torch.Tensor]:
+    """Per-batch train metrics, device scalars: accuracy of each block position, acceptance length, losses."""
+    summary = out.counts.summary()
+    metrics = {f"acc_{k + 1}": acc for k, acc in enumerate(summary["acc"])}
+    metrics["accept_length"] = summary["accept_length"]
+    metrics.update({f"pos_loss_{k + 1}": loss for k, loss in enumerate(out.step_losses)})
+    return metrics
+
+
+def main(cfg: DFlashRunConfig) -> dict:
+    """Train, evaluate and export; returns the training summary stored in the export (main process)."""
+    accelerator = build_accelerator(cfg)
+    say = (lambda message: None) if quiet() else accelerator.print
+
+    verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
+    train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
+    start_tracking(accelerator, cfg)  # wandb only now: the verifier, its tokenizer and the data passed their checks
+    say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
+        f"{cfg.data.seq_len} tokens ({cfg.data.source})")
+
+    drafter = build_drafter(verifier, cfg.dflash)
+    dc = drafter.cfg
+    n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
+    say(f"[dflash] {n_params / 1e6:.2f}M trainable parameters, {dc.num_hidden_layers} layers, block {dc.block_size}, "
+        f"target layers {dc.target_layer_ids}, mask token {dc.mask_token_id}, gamma {dc.loss_gamma:g} "
+        f"({cfg.features} features)")
+
+    model = DFlashTrainModule(drafter)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = cosine_schedule(optimizer, cfg)
+    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    accelerator.register_for_checkpointing(scheduler)
+    features = feature_source(cfg, verifier, layer_ids=drafter.feature_layers)
+    # Anchors come from torch's global RNG, which the checkpoints save and restore, so a resumed run draws what the
+    # uninterrupted one would have drawn.
+
+    # ---- held-out evaluation: counts summed over batches and processes, turned into rates once ----
+    def measure(batch: dict) -> dict[str, torch.Tensor]:
+        # Held-out anchors from a generator seeded per evaluation, so every evaluation scores the same blocks.
+        out = model(batch["input_ids"], features(batch), batch["loss_mask"], generator=eval_generator)
+        c = out.counts
+        return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
+                "chain_correct": c.chain_correct, "chain_valid": c.chain_valid}
+
+    evaluated_at = None
+    eval_generator = torch.Generator()
+
+    def evaluate() -> dict[str, float]:
+        nonlocal evaluated_at
+        evaluated_at = loop.state.step
+        eval_generator.manual_seed(cfg.train.seed + accelerator.process_index)
+        sums = heldout_sums(accelerator, model, eval_dl, cfg.train.eval_batches, measure)
+        if not sums:
+            return {}
+        summary = StepCounts(sums["correct"], sums["valid"], sums["chain_correct"], sums["chain_valid"]).summary()
+        batches = sums.pop("batches")
+        acc, cond, cum = (summary[k].tolist() for k in ("acc", "cond_acc", "cum_acc"))  # the sync point
+        values = {"eval/loss": float(sums["loss"] / batches), "eval/accept_length": float(summary["accept_length"])}
+        for k in range(len(acc)):
+            values.update({f"eval/acc_{k + 1}": acc[k], f"eval/cond_acc_{k + 1}": cond[k],
+                           f"eval/cum_acc_{k + 1}": cum[k]})
+        values.update({f"eval/pos_loss_{k + 1}": v for k, v in enumerate((sums["step_losses"] / batches).tolist())})
+        log_table(accelerator, "eval/per_position", ["position", "acc", "cond_acc", "cum_acc"],
+                  [[k + 1, acc[k], cond[k], cum[k]] for k in range(len(acc))], step=loop.state.step)
+        loop.print(f"[eval] step {loop.state.step}: held-out accuracy per block position "
+                   f"{' '.join(f'{a:.3f}' for a in acc)}, simulated acceptance length "
+                   f"{values['eval/accept_length']:.3f}")
+        return values
+
+    # ---- the loop ----
+    loop = TrainLoop(accelerator, cfg, model, optimizer, scheduler, train_dl, evaluate=evaluate)
+    loop.resume()
+    for batch in loop.batches():
+        feats = features(batch)  # frozen verifier, no grad: outside the autocast/accumulate block on purpose
+        with accelerator.accumulate(model):
+            out = model(batch["input_ids"], feats, batch["loss_mask"])
+            accelerator.backward(out.loss)
+            loop.step(out.loss, step_metrics(out), tokens=batch_tokens(batch))
+    loop.finish()
+    if evaluated_at != loop.state.step:
+        loop.log(evaluate())
+
+    # ---- export ----
+    summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
+    # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
+    full = unsharded(accelerator, model, lambda: DFlashTrainModule(build_drafter(verifier, cfg.dflash)))
+    drafter = full.drafter.to(to_dtype(cfg.export_dtype)) if full is not None else None  # training is over
+    if accelerator.is_main_process:
+        folder = export_dflash(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
+        say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")
+    # Train/serve consistency: the export, reloaded from disk, must accept what the in-memory drafter accepts.
+    return finish_run(accelerator, loop, summary, cfg, drafter, verifier, eval_dl.dataset, tokenizer, say=say)
+
+
+if __name__ == "__main__":
+    main_guard(main, DFlashRunConfig)
