@@ -103,7 +103,7 @@ def eagle_step(version: int) -> Callable:
         def step(batch: dict) -> None:
             feats = features(batch)  # outside autocast, as in the trainer
             with autocast(cfg, verifier.device):
-                out = model(batch["input_ids"], feats, batch["loss_mask"])
+                out = model(batch["input_ids"], feats, batch["loss_mask"], batch.get("position_ids"))
             out.loss.backward()
             if cfg.train.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
@@ -178,7 +178,8 @@ def verifier_forward(verifier) -> Step:
 
     @torch.inference_mode()
     def forward(batch: dict) -> None:
-        verifier.features(batch["input_ids"], batch["attention_mask"], return_logits=True)
+        verifier.features(batch["input_ids"], batch["attention_mask"], return_logits=True,
+                          position_ids=batch.get("position_ids"))
 
     return forward
 
