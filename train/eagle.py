@@ -48,7 +48,7 @@ from draftheads.train.heldout import heldout_sums
 from draftheads.train.loaders import get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
-from draftheads.train.placement import load_verifier, unsharded
+from draftheads.train.placement import load_verifier, sharded_weights, unsharded
 from draftheads.train.tracking import build_accelerator, log_table, start_tracking
 
 
@@ -110,6 +110,9 @@ def main(cfg: EagleRunConfig) -> dict:
     """Train, evaluate and export; returns the training summary stored in the export (main process)."""
     accelerator = build_accelerator(cfg)
     say = (lambda message: None) if quiet() else accelerator.print
+    if cfg.train.optimizer == "muon" and sharded_weights(accelerator):
+        raise ConfigError("train.optimizer=muon under FSDP or DeepSpeed ZeRO-3: Muon orthogonalises whole matrices, "
+                          "which these backends shard; use train.optimizer=adamw or multi_gpu.yaml")
 
     # FSDP: the verifier's decoder layers sharded over the processes (train.placement.shard_verifier); otherwise whole.
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)

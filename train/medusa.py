@@ -207,6 +207,9 @@ def log_head_table(accelerator, result: HeldOut, step: int) -> list[list]:
 def main(cfg: MedusaRunConfig) -> dict:
     started = time.perf_counter()
     accelerator = build_accelerator(cfg)  # mixed precision, grad accumulation; claims the run folder (lock, record)
+    if cfg.train.optimizer == "muon" and sharded_weights(accelerator):
+        raise ConfigError("train.optimizer=muon under FSDP or DeepSpeed ZeRO-3: Muon orthogonalises whole matrices, "
+                          "which these backends shard; use train.optimizer=adamw or multi_gpu.yaml")
     if cfg.medusa.joint and sharded_weights(accelerator):
         raise ConfigError("medusa.joint=true (Medusa-2) under FSDP or DeepSpeed ZeRO-3 is not supported: the LoRA "
                           "adapters live in the verifier, which these backends would shard; use multi_gpu.yaml or "
