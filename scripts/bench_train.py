@@ -143,10 +143,10 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "medusa": Method("train.medusa:MedusaRunConfig", "configs/medusa-tiny.yaml", medusa_step),
-    "eagle1": Method("train.eagle:EagleRunConfig", "configs/eagle1-tiny.yaml", eagle_step(1), goal=0.7,
+    "medusa": Method("draftheads.train.medusa:MedusaRunConfig", "configs/medusa-tiny.yaml", medusa_step),
+    "eagle1": Method("draftheads.train.eagle:EagleRunConfig", "configs/eagle1-tiny.yaml", eagle_step(1), goal=0.7,
                      check_config=eagle_version(1)),
-    "eagle3": Method("train.eagle:EagleRunConfig", "configs/eagle3-tiny.yaml", eagle_step(3), goal=0.5,
+    "eagle3": Method("draftheads.train.eagle:EagleRunConfig", "configs/eagle3-tiny.yaml", eagle_step(3), goal=0.5,
                      check_config=eagle_version(3)),
 }
 
