@@ -51,20 +51,20 @@ def step0_accuracy(drafters: dict, verifier, batches) -> dict[str, dict[str, flo
     positions = 0
     for batch in batches:
         ids = batch["input_ids"].to(verifier.device)
-        positions = batch["position_ids"].to(verifier.device) if "position_ids" in batch else None
+        doc_pos = batch["position_ids"].to(verifier.device) if "position_ids" in batch else None
         feats = verifier.features(ids, batch["attention_mask"].to(verifier.device), layer_ids=layer_ids,
-                                  return_logits=True, position_ids=positions)
+                                  return_logits=True, position_ids=doc_pos)
         by_layer = dict(zip(layer_ids, feats.layers))
         greedy = feats.logits[:, 1:-1].argmax(-1)  # (B, T-2): argmax q_{t+1}
         data = ids[:, 2:]  # x_{t+2}
         valid = batch["loss_mask"][:, 2:].to(ids.device).bool()
-        if positions is not None:  # packed rows: only targets in the position's own document
-            valid = valid & same_document(positions, 2)[:, :-2]
+        if doc_pos is not None:  # packed rows: only targets in the position's own document
+            valid = valid & same_document(doc_pos, 2)[:, :-2]
         positions += int(valid.sum())
         for name, drafter in drafters.items():
             own = [by_layer[i] for i in getattr(drafter, "feature_layers", [])]
             pred = first_draft_tokens(drafter, ids, VerifierFeatures(final=feats.final, layers=own),
-                                      positions)[:, :-2]
+                                      doc_pos)[:, :-2]
             hits[name] += torch.stack([((pred == greedy) & valid).sum(), ((pred == data) & valid).sum()]).cpu()
     return {name: {"verifier": int(h[0]) / max(positions, 1), "data": int(h[1]) / max(positions, 1),
                    "positions": positions} for name, h in hits.items()}
