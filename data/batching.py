@@ -3,9 +3,9 @@
     train, heldout = build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)
     loader = DataLoader(train, batch_size=8, shuffle=True, collate_fn=collate)
 
-Each row has `input_ids`, `attention_mask`, `loss_mask`, all of length `cfg.seq_len`; the datasets come back with
-`.with_format("torch")` (each row's columns are int64 tensors of shape (T,)), and `collate` stacks them into
-(B, T) LongTensors.
+Each row has `input_ids`, `attention_mask`, `loss_mask`, `position_ids`, all of length `cfg.seq_len`; the datasets
+come back with `.with_format("torch")` (each row's columns are int64 tensors of shape (T,)), and `collate` stacks
+them into (B, T) LongTensors.
 
 - `loss_mask[t] = 1` when token t is a training target: every token of a text row (its EOS too), and only the
   assistant turns (content + end-of-turn token) of a chat row. A trainer predicting token t+k from position t
@@ -13,10 +13,15 @@ Each row has `input_ids`, `attention_mask`, `loss_mask`, all of length `cfg.seq_
 - Every text document ends in EOS (a target: the model learns where files end).
 - Packing (`data.pack`, the default) also appends EOS to each conversation (not a target: the template has
   already ended the turn; it only separates documents), concatenates them in the seed's order and cuts the
-  stream into `seq_len` rows; only the last row is padded. Documents may attend across the EOS boundary, as in
-  most pretraining code.
-- Padding (`data.pack=false`) keeps one document per row, right-padded; longer ones are truncated and counted
-  (a `DataWarning`), or raise with `data.strict`. Rows whose targets were all cut off are dropped.
+  stream into `seq_len` rows; only the last row is padded. With `data.document_mask` (the default) no token
+  attends across a document boundary: `position_ids` restart at 0 at every document (and at the first token of
+  a row, where a document cut by the previous row's end continues as a document of its own), and the verifier's
+  forward, the drafters' attention and their targets follow them (data/documents.py: the mask and the exact
+  target rule), so a packed document is seen as a server sees that prompt alone. `data.document_mask=false`
+  numbers every row 0..T-1: documents attend across the EOS between them, as in most pretraining code.
+- Padding (`data.pack=false`) keeps one document per row, right-padded (position_ids 0..T-1); longer ones are
+  truncated and counted (a `DataWarning`), or raise with `data.strict`. Rows whose targets were all cut off are
+  dropped.
 
 Caching: every `map`/`shuffle`/`select` here runs with `keep_in_memory=True`, so building datasets writes nothing
 to disk (in particular nothing into ~/.cache/huggingface/datasets); only `hf:` sources use the usual HF download
@@ -34,10 +39,11 @@ import torch
 
 from draftheads.data.chat import resolve_chat_template, tokenize_chats
 from draftheads.data.config import DataConfig, DataError, DataWarning
+from draftheads.data.documents import packed_positions
 from draftheads.data.progress import datasets_progress
 from draftheads.data.sources import RowError, SkipCounter, train_and_heldout
 
-BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask")
+BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids")
 
 _TOKEN_FEATURES = datasets.Features({
     "input_ids": datasets.List(datasets.Value("int32")),
@@ -113,19 +119,26 @@ def _ragged(ds: datasets.Dataset, column: str) -> tuple[np.ndarray, np.ndarray]:
     return array.flatten().to_numpy(zero_copy_only=False), offsets - offsets[0]
 
 
-def _fixed_rows(input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray) -> datasets.Dataset:
-    """(R, T) arrays -> a Dataset of fixed-size list columns."""
-    seq_len = input_ids.shape[1]
-    columns = {name: pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), seq_len)
+def _fixed_rows(input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray,
+                position_ids: np.ndarray | None = None) -> datasets.Dataset:
+    """(R, T) arrays -> a Dataset of fixed-size list columns; position_ids default to 0..T-1 (one document a row)."""
+    rows, seq_len = input_ids.shape
+    if position_ids is None:
+        position_ids = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (rows, seq_len))
+    columns = {name: pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(array).reshape(-1)), seq_len)
                for name, array in (("input_ids", input_ids.astype(np.int32)),
                                    ("attention_mask", attention_mask.astype(np.int8)),
-                                   ("loss_mask", loss_mask.astype(np.int8)))}
+                                   ("loss_mask", loss_mask.astype(np.int8)),
+                                   ("position_ids", position_ids.astype(np.int32)))}
     return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
 
 
-def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int) -> datasets.Dataset:
-    """Concatenate all documents (each already ends in EOS) and cut into rows of seq_len; pad only the last."""
-    ids, _ = _ragged(tokens, "input_ids")
+def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int, document_mask: bool = True) -> datasets.Dataset:
+    """Concatenate all documents (each already ends in EOS) and cut into rows of seq_len; pad only the last.
+
+    document_mask: position_ids restart at 0 at every document (and at a row's first token; data/documents.py);
+    else 0..T-1 in every row (documents attend across the EOS between them)."""
+    ids, offsets = _ragged(tokens, "input_ids")
     mask, _ = _ragged(tokens, "loss_mask")
     n = len(ids)
     rows = -(-n // seq_len)
@@ -133,7 +146,8 @@ def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int) -> datasets.Datase
     ids = np.concatenate([ids, np.full(pad, pad_id, dtype=ids.dtype)]).reshape(rows, seq_len)  # (R, T)
     attn = np.concatenate([np.ones(n, np.int8), np.zeros(pad, np.int8)]).reshape(rows, seq_len)
     mask = np.concatenate([mask, np.zeros(pad, mask.dtype)]).reshape(rows, seq_len)
-    return _fixed_rows(ids, attn, mask)
+    positions = packed_positions(offsets[:-1], n, seq_len).reshape(rows, seq_len) if document_mask else None
+    return _fixed_rows(ids, attn, mask, positions)
 
 
 def pad(tokens: datasets.Dataset, seq_len: int, pad_id: int, label: str, strict: bool = False) -> datasets.Dataset:
@@ -173,13 +187,13 @@ def to_token_rows(rows: datasets.Dataset, tokenizer, cfg: DataConfig, template: 
     """Source rows -> fixed-length rows (`input_ids`, `attention_mask`, `loss_mask`) by cfg.pack."""
     if len(rows) == 0:
         empty = np.zeros((0, cfg.seq_len), dtype=np.int32)
-        return _fixed_rows(empty, empty, empty)
+        return _fixed_rows(empty, empty, empty, empty)
     tokens = tokenize_rows(rows, tokenizer, template, label, cfg.strict, cfg.num_proc, cfg.pack)
     if cfg.pack:
         if tokenizer.eos_token_id is None:
             raise DataError("data.pack=true separates documents with EOS, but the tokenizer has no eos_token; "
                             "set data.pack=false or give the tokenizer an eos_token")
-        return pack(tokens, cfg.seq_len, pad_id_of(tokenizer))
+        return pack(tokens, cfg.seq_len, pad_id_of(tokenizer), cfg.document_mask)
     return pad(tokens, cfg.seq_len, pad_id_of(tokenizer), label, cfg.strict)
 
 
@@ -200,7 +214,8 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[datasets.
 
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Rows (tensors or lists of length T) -> {input_ids, attention_mask, loss_mask}: (B, T) LongTensors."""
+    """Rows (tensors or lists of length T) -> {input_ids, attention_mask, loss_mask, position_ids}: (B, T)
+    LongTensors."""
     if not rows:
         raise ValueError("collate: empty batch")
     return {key: torch.stack([torch.as_tensor(row[key]) for row in rows]).long() for key in BATCH_KEYS}

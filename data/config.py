@@ -31,6 +31,11 @@ class DataConfig:
     """Tokens per training sequence (packed rows are cut to this length)."""
     pack: bool = True
     """Pack several documents into each sequence (no padding); off pads each row to seq_len."""
+    document_mask: bool = True
+    """With pack: no token attends across a document boundary and positions restart at 0 per document, in the
+    verifier's features and the drafter's attention, and no prediction is trained on another document's token
+    (data/documents.py); false lets packed documents attend across the EOS between them. No effect with pack=false
+    (one document per row)."""
     max_rows: int | None = None
     """Use at most this many source rows (documents / conversations) for training; None uses all."""
     eval_rows: int = 64

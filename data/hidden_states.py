@@ -9,8 +9,12 @@ trainers' configs); this module is the format both sides agree on. Per row a cac
 reads from the verifier, for the rows `data.batching.build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)`
 builds (the rows training sees):
 
-    every method   input_ids int32 (N, T), attention_mask int8 (N, T), loss_mask int8 (N, T)
-                   final (N, T, H): the last post-norm hidden state
+    every method   input_ids int32 (N, T), attention_mask int8 (N, T), loss_mask int8 (N, T),
+                   position_ids int32 (N, T): restarting at 0 per document in packed rows (`data.document_mask`,
+                   data/documents.py; 0..T-1 otherwise), the positions the verifier ran with and the document
+                   boundaries the drafter's attention and targets follow
+                   final (N, T, H): the last post-norm hidden state, computed with those positions and attention
+                   inside each document only
     eagle3         layers (N, 3, T, H): the inputs of the feature layers (`eagle.layer_ids`, default 2, L//2, L-3)
     dflash         layers (N, L, T, H): the outputs of the target layers (`dflash.target_layer_ids`), stored as the
                    inputs of layers id + 1
@@ -43,14 +47,18 @@ import torch
 from draftheads.data.identity import sha256_file
 
 FORMAT = "draftheads-hidden-states"
-VERSION = 1
+VERSION = 2
+#: What a cache of an older version lacks, for the one-line refusal.
+OLD_VERSIONS = {1: "no position_ids (its packed rows' features attended across document boundaries)"}
 METHODS = ("medusa", "eagle1", "eagle3", "dflash")
 SPLITS = ("train", "eval")
 #: Feature dtypes a cache may store: name -> (safetensors dtype code, bytes per value).
 FEATURE_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
-TOKEN_DTYPES = {"input_ids": torch.int32, "attention_mask": torch.int8, "loss_mask": torch.int8}
+TOKEN_DTYPES = {"input_ids": torch.int32, "attention_mask": torch.int8, "loss_mask": torch.int8,
+                "position_ids": torch.int32}
 #: Data settings that change which rows are built (num_proc only changes how fast).
-DATA_KEYS = ("source", "format", "seq_len", "pack", "max_rows", "eval_rows", "strict", "chat_template")
+DATA_KEYS = ("source", "format", "seq_len", "pack", "document_mask", "max_rows", "eval_rows", "strict",
+             "chat_template")
 
 
 class CacheError(ValueError):
@@ -59,8 +67,9 @@ class CacheError(ValueError):
 
 # ---- sizes ---------------------------------------------------------------------------------------------------------
 def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
-    """Stored bytes per token: (1 + layers) feature vectors of H values, plus input_ids (4) and two masks (1 + 1)."""
-    return (1 + num_layers) * hidden_size * FEATURE_DTYPES[dtype][1] + 6
+    """Stored bytes per token: (1 + layers) feature vectors of H values, plus input_ids (4), two masks (1 + 1) and
+    position_ids (4)."""
+    return (1 + num_layers) * hidden_size * FEATURE_DTYPES[dtype][1] + 10
 
 
 def human(n: float) -> str:
@@ -85,7 +94,7 @@ def expected_shapes(index: dict, rows: int) -> dict[str, tuple[list[int], str]]:
     T, H, L = index["seq_len"], index["hidden_size"], len(index["layer_ids"])
     feat = FEATURE_DTYPES[index["dtype"]][0]
     shapes = {"input_ids": ([rows, T], "I32"), "attention_mask": ([rows, T], "I8"), "loss_mask": ([rows, T], "I8"),
-              "final": ([rows, T, H], feat)}
+              "position_ids": ([rows, T], "I32"), "final": ([rows, T, H], feat)}
     if L:
         shapes["layers"] = ([rows, L, T, H], feat)
     return shapes
@@ -122,6 +131,9 @@ def read_index(folder: str | os.PathLike) -> dict:
         index = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise CacheError(f"{path}: not valid JSON ({err})") from None
+    if index.get("format") == FORMAT and index.get("version") in OLD_VERSIONS:
+        raise CacheError(f"{path}: a version {index['version']} cache ({OLD_VERSIONS[index['version']]}); this "
+                         f"draftheads reads version {VERSION}: dump it again with `draftheads dump-features`")
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CacheError(f"{path}: format {index.get('format')!r} version {index.get('version')!r}; expected "
                          f"{FORMAT!r} version {VERSION}")
@@ -232,8 +244,8 @@ def check_for_run(index: dict, cfg, folder: str | os.PathLike, verifier: dict, k
 
 
 class CachedRows(torch.utils.data.Dataset):
-    """One split of a cache as a map-style dataset: row i -> {input_ids, attention_mask, loss_mask (T,), final
-    (T, H), layers (L, T, H) when stored}. Shards are opened lazily (memory-mapped), per worker process."""
+    """One split of a cache as a map-style dataset: row i -> {input_ids, attention_mask, loss_mask, position_ids
+    (T,), final (T, H), layers (L, T, H) when stored}. Shards are opened lazily (memory-mapped), per worker process."""
 
     def __init__(self, folder: str | os.PathLike, index: dict, split: str):
         self.folder, self.split = Path(folder), split

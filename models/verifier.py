@@ -337,14 +337,47 @@ class Verifier(nn.Module):
                 f"verifier {self.name!r} (model_type {self.config.model_type!r}): its logits are not "
                 f"lm_head(final hidden state) (soft-capped or scaled output head), which {what} needs")
 
+    def check_document_mask(self, what: str = "data.document_mask=true") -> None:
+        """Refuse a verifier that attends across document boundaries when given packed rows (position_ids that
+        restart at 0, no attention_mask: data/documents.py). transformers builds the block-diagonal causal mask
+        from such position_ids for the families whose decoders use its masking utilities (Llama, Qwen2, Mistral,
+        Qwen3, Qwen3-MoE, ...) with sdpa, eager, flex or flash attention; a model that does not is caught here by
+        one short forward: two documents packed in one row against the second computed alone. Checked once."""
+        if getattr(self, "_documents_checked", False):
+            return
+        V = self.vocab_size
+        first = (torch.arange(5, device=self.device) * 7 + 3) % V
+        second = (torch.arange(6, device=self.device) * 11 + 5) % V
+        packed = torch.cat([first, second])[None]  # (1, 11)
+        positions = torch.cat([torch.arange(5), torch.arange(6)]).to(self.device)[None]
+        with torch.no_grad():
+            together = self.features(packed, position_ids=positions).final[0, 5:].float()
+            alone = self.features(second[None]).final[0].float()
+        scale = float(alone.abs().max()) + 1e-6
+        tol = 1e-4 if self.dtype == torch.float32 else 3e-2
+        if not torch.allclose(together, alone, rtol=tol, atol=tol * scale):
+            raise VerifierError(
+                f"verifier {self.name!r} (model_type {self.config.model_type!r}, attention "
+                f"{getattr(self.config, '_attn_implementation', None)!r}) attends across document boundaries in a "
+                f"packed row (a packed document's features differ from the document's alone), which {what} needs; "
+                "set attn_implementation to sdpa or eager, or data.document_mask=false")
+        self._documents_checked = True
+
     # ---- forward -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  layer_ids: list[int] | tuple[int, ...] = (), return_logits: bool = False,
                  position_ids: torch.Tensor | None = None) -> VerifierFeatures:
-        """One frozen forward; keeps only the requested layers' inputs (hooks, not `output_hidden_states`)."""
+        """One frozen forward; keeps only the requested layers' inputs (hooks, not `output_hidden_states`).
+
+        position_ids (B, T) of packed rows (restarting at 0 per document, data/documents.py) replace the
+        attention_mask: transformers then masks attention at the document boundaries (it does so only when no
+        attention_mask is given); rows are right-padded, and the padding is a document of its own or the end of
+        the row's only one, so no real token attends to it either way."""
         layer_ids = list(layer_ids)
         self.check_layer_ids(layer_ids)
+        if position_ids is not None:
+            attention_mask = None
         with capture_layer_inputs(self.layers, layer_ids) as captured:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False)

@@ -27,6 +27,8 @@ mkdir -p "$DIR"
 # label: overrides of configs/eagle3-tiny.yaml
 RECIPES=(
   "base:"
+  "across_documents:--data.document_mask=false"
+  "muon:--train.optimizer=muon"
   "parallel:--eagle.parallel=true"
   "parallel_all:--eagle.parallel=true --eagle.parallel_keep=[1,1]"
   "parallel_uniform:--eagle.parallel=true --eagle.step_weights=uniform"

@@ -23,6 +23,8 @@ under inference mode. Any option the method's trainer takes (`--verifier`, `--tr
     python scripts/bench_train.py --method eagle1                        # configs/eagle1-tiny.yaml (goal >= 0.7)
     python scripts/bench_train.py --method eagle3                        # configs/eagle3-tiny.yaml, 7 TTT steps
                                                                          # (goal >= 0.5)
+    python scripts/bench_train.py --method eagle3 --across               # what document masks cost: the train
+                                                                         # step with them ÷ without (packed rows)
 
 Adding a method: write `def <name>_step(cfg, verifier, batches) -> Callable[[batch], None]` building that
 trainer's trainable part and optimizer from its own code, and register it in METHODS with its config class,
@@ -103,7 +105,7 @@ def eagle_step(version: int) -> Callable:
         def step(batch: dict) -> None:
             feats = features(batch)  # outside autocast, as in the trainer
             with autocast(cfg, verifier.device):
-                out = model(batch["input_ids"], feats, batch["loss_mask"])
+                out = model(batch["input_ids"], feats, batch["loss_mask"], batch.get("position_ids"))
             out.loss.backward()
             if cfg.train.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
@@ -143,10 +145,10 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "medusa": Method("train.medusa:MedusaRunConfig", "configs/medusa-tiny.yaml", medusa_step),
-    "eagle1": Method("train.eagle:EagleRunConfig", "configs/eagle1-tiny.yaml", eagle_step(1), goal=0.7,
+    "medusa": Method("draftheads.train.medusa:MedusaRunConfig", "configs/medusa-tiny.yaml", medusa_step),
+    "eagle1": Method("draftheads.train.eagle:EagleRunConfig", "configs/eagle1-tiny.yaml", eagle_step(1), goal=0.7,
                      check_config=eagle_version(1)),
-    "eagle3": Method("train.eagle:EagleRunConfig", "configs/eagle3-tiny.yaml", eagle_step(3), goal=0.5,
+    "eagle3": Method("draftheads.train.eagle:EagleRunConfig", "configs/eagle3-tiny.yaml", eagle_step(3), goal=0.5,
                      check_config=eagle_version(3)),
 }
 
@@ -178,7 +180,8 @@ def verifier_forward(verifier) -> Step:
 
     @torch.inference_mode()
     def forward(batch: dict) -> None:
-        verifier.features(batch["input_ids"], batch["attention_mask"], return_logits=True)
+        verifier.features(batch["input_ids"], batch["attention_mask"], return_logits=True,
+                          position_ids=batch.get("position_ids"))
 
     return forward
 
@@ -192,10 +195,11 @@ def count_flops(fn: Step, batch: dict) -> int:
     return counter.get_total_flops()
 
 
-def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int) -> dict:
-    """Alternate timed rounds of the verifier forward and the train step over the same batches."""
+def measure(step: Step, verifier, batches: list[dict], repeats: int, warmup: int,
+            baseline: Step | None = None) -> dict:
+    """Alternate timed rounds of the verifier forward (or `baseline`) and the train step over the same batches."""
     device = verifier.device
-    forward = verifier_forward(verifier)
+    forward = baseline or verifier_forward(verifier)
     tokens = float(sum(int(b["attention_mask"].sum()) for b in batches))
     for _ in range(warmup):
         timed(forward, batches, device)
@@ -234,7 +238,7 @@ def load_batches(cfg, tokenizer, count: int, device: torch.device) -> list[dict]
 
 
 def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches: int = 4,
-        device: str | None = None, out: str | None = None, flops: bool = False) -> dict:
+        device: str | None = None, out: str | None = None, flops: bool = False, across: bool = False) -> dict:
     from draftheads.train.config import parse_config
     from draftheads.train.placement import load_verifier
 
@@ -251,13 +255,18 @@ def run(method: str, argv: list[str], repeats: int = 5, warmup: int = 1, batches
     verifier, tokenizer = load_verifier(cfg, device)
     data = load_batches(cfg, tokenizer, batches, device)
     step = spec.build_step(cfg, verifier, data)
+    baseline = None
+    if across:  # the same step on the same batches, without document positions: documents attend across
+        def baseline(batch: dict) -> None:
+            step({k: v for k, v in batch.items() if k != "position_ids"})
+
     load_before = os.getloadavg()
-    result = measure(step, verifier, data, repeats, warmup)
+    result = measure(step, verifier, data, repeats, warmup, baseline)
     report = {
         "method": method, "goal": spec.goal, "verifier": cfg.verifier, "device": str(device), "threads": torch.get_num_threads(),
         "batch_size": cfg.train.batch_size, "seq_len": cfg.data.seq_len, "batches": len(data),
         "mixed_precision": cfg.train.mixed_precision, "verifier_dtype": cfg.verifier_dtype,
-        "repeats": repeats, "warmup": warmup, "argv": config_argv,
+        "repeats": repeats, "warmup": warmup, "argv": config_argv, "baseline": "across" if across else "forward",
         "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
         **result,
     }
@@ -282,14 +291,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default=None, help="cuda / cpu (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--out", default=None, help="write the JSON report here")
+    parser.add_argument("--across", action="store_true",
+                        help="time the train step against itself on the same batches without position_ids (packed "
+                             "documents attending across) instead of the verifier forward: the cost of document masks")
     parser.add_argument("--flops", action="store_true",
                         help="also count FLOPs of one batch: the ratio the FLOPs alone allow (forward / train step)")
     args, rest = parser.parse_known_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run(args.method, rest, args.repeats, args.warmup, args.batches, args.device, args.out, args.flops)
+    report = run(args.method, rest, args.repeats, args.warmup, args.batches, args.device, args.out, args.flops,
+                 args.across)
     print(f"[bench] {report['method']} on {report['verifier']} ({report['device']}, {report['threads']} threads, "
           f"B={report['batch_size']} T={report['seq_len']}, {report['batches']} batches x {report['repeats']} rounds)")
+    if args.across:
+        print(f"[bench] train step, documents attending across {report['forward_tokens_per_s_median']:,.0f} tok/s, "
+              f"with document masks {report['train_tokens_per_s_median']:,.0f} tok/s: masked / across = "
+              f"{report['ratio_median']:.3f} (min {report['ratio_min']:.3f}, max {report['ratio_max']:.3f})"
+              + (f"; JSON: {args.out}" if args.out else ""))
+        return report
     print(f"[bench] verifier forward {report['forward_tokens_per_s_median']:,.0f} tok/s, train "
           f"{report['train_tokens_per_s_median']:,.0f} tok/s")
     goal = METHODS[args.method].goal

@@ -23,10 +23,12 @@ import torch
 import torch.nn.functional as F
 
 
-def first_draft_tokens(drafter, input_ids: torch.Tensor, feats) -> torch.Tensor:
+def first_draft_tokens(drafter, input_ids: torch.Tensor, feats, position_ids: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """(B, T) verifier ids: a drafter's first draft token at each position t (its guess of x_{t+2}).
 
-    `drafter` is an EAGLE drafter or Medusa heads (head 0); `feats` the verifier's features of input_ids.
+    `drafter` is an EAGLE drafter or Medusa heads (head 0); `feats` the verifier's features of input_ids;
+    position_ids of packed rows (restarting per document) keep EAGLE's attention inside each document.
     """
     from draftheads.models.eagle import EagleDrafter
 
@@ -34,13 +36,14 @@ def first_draft_tokens(drafter, input_ids: torch.Tensor, feats) -> torch.Tensor:
         return drafter(feats.final)[0].argmax(-1)
     hidden = drafter.project_features(feats.layers if drafter.version == 3 else [feats.final])  # (B, T, H)
     next_ids = F.pad(input_ids[:, 1:], (0, 1))  # x_{t+1} at position t
-    out, _ = drafter(next_ids, hidden)
+    out, _ = drafter(next_ids, hidden, position_ids, attention_mask=drafter.document_mask(position_ids))
     return drafter.to_target_ids(drafter.logits(out).argmax(-1))
 
 
 @torch.no_grad()
 def step0_accuracy(drafters: dict, verifier, batches) -> dict[str, dict[str, float]]:
     """{name: {verifier, data, positions}} over batches of {input_ids, attention_mask, loss_mask}."""
+    from draftheads.data.documents import same_document
     from draftheads.models.verifier import VerifierFeatures
 
     layer_ids = sorted({i for d in drafters.values() for i in getattr(d, "feature_layers", [])})
@@ -48,16 +51,20 @@ def step0_accuracy(drafters: dict, verifier, batches) -> dict[str, dict[str, flo
     positions = 0
     for batch in batches:
         ids = batch["input_ids"].to(verifier.device)
+        doc_pos = batch["position_ids"].to(verifier.device) if "position_ids" in batch else None
         feats = verifier.features(ids, batch["attention_mask"].to(verifier.device), layer_ids=layer_ids,
-                                  return_logits=True)
+                                  return_logits=True, position_ids=doc_pos)
         by_layer = dict(zip(layer_ids, feats.layers))
         greedy = feats.logits[:, 1:-1].argmax(-1)  # (B, T-2): argmax q_{t+1}
         data = ids[:, 2:]  # x_{t+2}
         valid = batch["loss_mask"][:, 2:].to(ids.device).bool()
+        if doc_pos is not None:  # packed rows: only targets in the position's own document
+            valid = valid & same_document(doc_pos, 2)[:, :-2]
         positions += int(valid.sum())
         for name, drafter in drafters.items():
             own = [by_layer[i] for i in getattr(drafter, "feature_layers", [])]
-            pred = first_draft_tokens(drafter, ids, VerifierFeatures(final=feats.final, layers=own))[:, :-2]
+            pred = first_draft_tokens(drafter, ids, VerifierFeatures(final=feats.final, layers=own),
+                                      doc_pos)[:, :-2]
             hits[name] += torch.stack([((pred == greedy) & valid).sum(), ((pred == data) & valid).sum()]).cpu()
     return {name: {"verifier": int(h[0]) / max(positions, 1), "data": int(h[1]) / max(positions, 1),
                    "positions": positions} for name, h in hits.items()}

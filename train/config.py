@@ -46,6 +46,9 @@ class TrainConfig:
     """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW betas."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw` for every parameter; `muon`: Muon for the drafter's hidden matrices, AdamW for its heads, norms and
+    vectors, one lr for both (train/optim.py; not with Medusa-2's parameter groups, nor FSDP-sharded drafters)."""
     warmup_steps: int = 20
     """Linear warm-up steps before the cosine decay."""
     min_lr_ratio: float = 0.1

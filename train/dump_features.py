@@ -134,6 +134,8 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
             raise CacheError(f"{plan_path}: this cache was started from other inputs ({'; '.join(changed)}); use a "
                              f"new --out folder or delete {folder}")
     verifier, tokenizer = load_verifier(cfg, state.device)
+    if cfg.data.pack and cfg.data.document_mask:
+        verifier.check_document_mask()  # one short forward: refuse a model that would attend across documents
     layer_ids = layers_for(method, cfg, verifier)
     datasets = dict(zip(SPLITS, build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)))
     plan = {"format": FORMAT, "version": VERSION, "method": method, "verifier": verifier.describe(),
@@ -187,12 +189,13 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
 @torch.no_grad()
 def _run_verifier(verifier, rows: dict, layer_ids: list[int], dtype: torch.dtype, micro: int) -> dict:
     """One shard's tensors: token columns plus the verifier's features, computed micro-batch by micro-batch."""
-    ids, attn = rows["input_ids"], rows["attention_mask"]
+    ids, attn, positions = rows["input_ids"], rows["attention_mask"], rows["position_ids"]
     finals, layers = [], []
     for i in range(0, len(ids), micro):
         b_ids = ids[i:i + micro].to(verifier.device)
         b_attn = attn[i:i + micro].to(verifier.device)
-        feats = verifier.features(b_ids, attention_mask=b_attn, layer_ids=layer_ids)
+        b_pos = positions[i:i + micro].to(verifier.device)  # packed rows: restarting per document
+        feats = verifier.features(b_ids, attention_mask=b_attn, layer_ids=layer_ids, position_ids=b_pos)
         finals.append(feats.final.to("cpu", dtype))  # (b, T, H)
         if layer_ids:
             layers.append(torch.stack(feats.layers, dim=1).to("cpu", dtype))  # (b, L, T, H)

@@ -17,6 +17,8 @@ In order (the drafter, the training-time-test unroll and the losses live in mode
   3. the drafter, AdamW, the warm-up + cosine schedule, and one `accelerator.prepare`;
   4. per micro-batch: verifier features (online: one verifier forward under no-grad keeping only the layers the
      drafter reads), the drafter's loss, backward, `loop.step` (clip, optimizer, schedule, logs, checkpoints);
+     packed rows carry position_ids that restart per document, so neither forward attends across a document
+     boundary and no prediction is trained on another document's token (data/documents.py);
   5. held-out evaluation every `train.eval_every` steps and at the end: per-step accuracy against the verifier's
      greedy token, conditional and cumulative, and the simulated acceptance length, logged as eval/... (EAGLE-1
      trains one step but is scored on the `eagle.ttt_steps`-token chains it drafts from its own outputs);
@@ -46,7 +48,7 @@ from draftheads.train.heldout import heldout_sums
 from draftheads.train.loaders import get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
-from draftheads.train.placement import load_verifier, unsharded
+from draftheads.train.placement import load_verifier, sharded_weights, unsharded
 from draftheads.train.tracking import build_accelerator, log_table, start_tracking
 
 
@@ -108,6 +110,9 @@ def main(cfg: EagleRunConfig) -> dict:
     """Train, evaluate and export; returns the training summary stored in the export (main process)."""
     accelerator = build_accelerator(cfg)
     say = (lambda message: None) if quiet() else accelerator.print
+    if cfg.train.optimizer == "muon" and sharded_weights(accelerator):
+        raise ConfigError("train.optimizer=muon under FSDP or DeepSpeed ZeRO-3: Muon orthogonalises whole matrices, "
+                          "which these backends shard; use train.optimizer=adamw or multi_gpu.yaml")
 
     # FSDP: the verifier's decoder layers sharded over the processes (train.placement.shard_verifier); otherwise whole.
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
@@ -141,10 +146,11 @@ def main(cfg: EagleRunConfig) -> dict:
 
     def measure(batch: dict) -> dict[str, torch.Tensor]:
         feats = features(batch)
-        out = model(batch["input_ids"], feats, batch["loss_mask"])
+        positions = batch.get("position_ids")  # packed rows: restarting per document
+        out = model(batch["input_ids"], feats, batch["loss_mask"], positions)
         c = out.counts
         if cfg.eagle.version == 1:  # trained on one step; scored on the eagle.ttt_steps-token chains it drafts
-            c = model(batch["input_ids"], feats, batch["loss_mask"], chain_steps=cfg.eagle.ttt_steps)
+            c = model(batch["input_ids"], feats, batch["loss_mask"], positions, chain_steps=cfg.eagle.ttt_steps)
         return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
                 "chain_correct": c.chain_correct, "chain_valid": c.chain_valid, **out.parts}
 
@@ -177,7 +183,7 @@ def main(cfg: EagleRunConfig) -> dict:
     for batch in loop.batches():
         feats = features(batch)  # frozen verifier, no grad: outside the autocast/accumulate block on purpose
         with accelerator.accumulate(model):
-            out = model(batch["input_ids"], feats, batch["loss_mask"])
+            out = model(batch["input_ids"], feats, batch["loss_mask"], batch.get("position_ids"))
             accelerator.backward(out.loss)
             loop.step(out.loss, step_metrics(out), tokens=batch_tokens(batch))
     loop.finish()

@@ -4,7 +4,8 @@
     for batch in loop.batches():
         feats = features(batch)        # VerifierFeatures: final (B, T, H), layers [(B, T, H)], logits (B, T, V) | None
 
-`features: online` (the default) runs the frozen verifier inside the step, under no-grad, keeping only what the
+`features: online` (the default) runs the frozen verifier inside the step, under no-grad, with the batch's
+`position_ids` (packed rows: restarting per document, so no token attends across a boundary), keeping only what the
 drafter asked for: the final post-norm hidden state always, the inputs of `layer_ids` (forward hooks, never all of
 `output_hidden_states`), and the logits only with `return_logits`. `features: offline` reads the same tensors from
 the hidden-state cache (`draftheads dump-features`, with `feature_cache: DIR`): the batches then come from
@@ -29,9 +30,10 @@ def online_features(verifier, layer_ids: list[int] | tuple[int, ...] = (), retur
     layer_ids = list(layer_ids)
     verifier.check_layer_ids(layer_ids)
 
-    def features(batch: dict) -> VerifierFeatures:
+    def features(batch: dict) -> VerifierFeatures:  # packed rows: position_ids restart per document
         return verifier.features(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                                 layer_ids=layer_ids, return_logits=return_logits)
+                                 layer_ids=layer_ids, return_logits=return_logits,
+                                 position_ids=batch.get("position_ids"))
 
     return features
 
@@ -67,6 +69,8 @@ def feature_source(cfg: RunConfig, verifier, layer_ids: list[int] | tuple[int, .
                    return_logits: bool = False) -> FeatureSource:
     """The feature source a run config asks for (`features: online | offline`)."""
     if cfg.features == "online":
+        if cfg.data.pack and cfg.data.document_mask:
+            verifier.check_document_mask()  # one short forward: refuse a model that would attend across
         return online_features(verifier, layer_ids, return_logits)
     return offline_features(verifier, cfg.feature_cache, layer_ids, return_logits)
 

@@ -84,7 +84,7 @@ class HeadsObjective(nn.Module):
 
     def forward(self, feats: VerifierFeatures, batch: dict, max_rank: int = 1):
         head = medusa_head_losses(self.heads, feats.final, batch["input_ids"], batch["loss_mask"], self.cfg.loss,
-                                  feats.logits, self.cfg.decay, max_rank)
+                                  feats.logits, self.cfg.decay, max_rank, position_ids=batch.get("position_ids"))
         return head.loss, {}, head
 
 
@@ -119,13 +119,16 @@ class JointObjective(nn.Module):
 
     def forward(self, feats: None, batch: dict, max_rank: int = 1):
         verifier, cfg = self.joint.verifier, self.cfg
-        ids, attention_mask = batch["input_ids"], batch["attention_mask"]
-        reference = self.joint.reference_logits(ids, attention_mask)  # (B, T, V), adapters off, no grad
-        hidden = verifier.decoder(input_ids=ids, attention_mask=attention_mask,
+        ids, attention_mask, positions = batch["input_ids"], batch["attention_mask"], batch.get("position_ids")
+        if positions is not None:  # packed documents: the restarts mask attention (as Verifier.features)
+            attention_mask = None
+        reference = self.joint.reference_logits(ids, attention_mask, positions)  # (B, T, V), adapters off, no grad
+        hidden = verifier.decoder(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
                                   use_cache=False).last_hidden_state  # (B, T, H), through the adapters
         loss, parts, head = medusa2_losses(hidden, verifier.lm_head.weight, reference, self.joint.heads, ids,
                                            batch["loss_mask"], cfg.loss, cfg.decay, cfg.lm_loss_weight,
-                                           cfg.kl_loss_weight, cfg.heads_loss_weight, max_rank=max_rank)
+                                           cfg.kl_loss_weight, cfg.heads_loss_weight, max_rank=max_rank,
+                                           position_ids=positions)
         return loss, parts, head
 
 
@@ -204,6 +207,9 @@ def log_head_table(accelerator, result: HeldOut, step: int) -> list[list]:
 def main(cfg: MedusaRunConfig) -> dict:
     started = time.perf_counter()
     accelerator = build_accelerator(cfg)  # mixed precision, grad accumulation; claims the run folder (lock, record)
+    if cfg.train.optimizer == "muon" and sharded_weights(accelerator):
+        raise ConfigError("train.optimizer=muon under FSDP or DeepSpeed ZeRO-3: Muon orthogonalises whole matrices, "
+                          "which these backends shard; use train.optimizer=adamw or multi_gpu.yaml")
     if cfg.medusa.joint and sharded_weights(accelerator):
         raise ConfigError("medusa.joint=true (Medusa-2) under FSDP or DeepSpeed ZeRO-3 is not supported: the LoRA "
                           "adapters live in the verifier, which these backends would shard; use multi_gpu.yaml or "
@@ -231,6 +237,8 @@ def main(cfg: MedusaRunConfig) -> dict:
     accelerator.register_for_checkpointing(scheduler)
     trainable = [p for p in model.parameters() if p.requires_grad]
     max_rank = max(5, cfg.medusa.tree_max_rank)
+    if cfg.medusa.joint and cfg.data.pack and cfg.data.document_mask:
+        verifier.check_document_mask()  # Medusa-2 runs the verifier itself on the packed rows
     features = verifier if cfg.medusa.joint else feature_source(cfg, verifier,
                                                                 return_logits=cfg.medusa.loss == "distill")
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftheads.data.documents import causal_document_mask, is_packed, same_document
 from draftheads.models.draft_losses import masked_mean, step_weights, token_loss
 from draftheads.models.eagle.config import EagleConfig, EagleError
 from draftheads.models.eagle.layer import (
@@ -185,16 +186,39 @@ class EagleDrafter(nn.Module):
     # ---- training ------------------------------------------------------------------------------------------------
     def training_loss(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor,
                       position_ids: torch.Tensor | None = None) -> EagleOutput:
-        """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` of them, loss_mask (B, T)."""
+        """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` of them, loss_mask (B, T);
+        position_ids (B, T) of packed rows restart at 0 per document (data/documents.py): attention stays inside
+        a document and a prediction is trained only when its target is in its position's document (the
+        `trained_mask` rule)."""
         raise NotImplementedError
+
+    @staticmethod
+    def trained_mask(loss_mask: torch.Tensor, position_ids: torch.Tensor | None, k: int) -> torch.Tensor:
+        """(B, T-2-k) bool: which stream positions t step k (EAGLE-1: k = 0) scores. Step k at t has read tokens
+        t+1 .. t+1+k and predicts token t+2+k; it counts iff loss_mask[t+2+k] and, with position_ids, token t+2+k
+        is in t's document (position_ids[t+2+k] == position_ids[t] + 2+k; every token it read lies between, so
+        in that document too). A chain that runs into the next document is neither trained nor scored."""
+        n = loss_mask.shape[1] - 2 - k
+        scored = loss_mask[:, 2 + k:].bool()
+        if position_ids is not None:
+            scored = scored & same_document(position_ids, 2 + k)[:, :n]
+        return scored
+
+    @staticmethod
+    def document_mask(position_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, 1, T, T) bool causal attention inside each document of packed rows; None when every row is one
+        document (plain causal attention: the fast path)."""
+        return causal_document_mask(position_ids) if is_packed(position_ids) else None
 
     def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
                    steps: int | None = None) -> list[torch.Tensor]:
         """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
         consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` (B, T, H) is step 0's
-        hidden input: EAGLE-3 h_t = fc(features), EAGLE-1 the verifier's final feature f_t."""
+        hidden input: EAGLE-3 h_t = fc(features), EAGLE-1 the verifier's final feature f_t. With position_ids of
+        packed rows (restarting per document) every step attends inside its position's document only."""
         steps = self.cfg.ttt_steps if steps is None else steps
         B, T = input_ids.shape
+        documents = self.document_mask(position_ids)  # (B, 1, T, T) or None: one document per row
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
         for k in range(steps):
@@ -204,9 +228,9 @@ class EagleDrafter(nn.Module):
                 keys.append(kk)
                 values.append(vv)
                 if k == 0:
-                    return self._attend(q, kk, vv, None, causal=True)
-                # the step-0 prefix causally, plus this position's own chain of keys (see `ttt_attention`)
-                return ttt_attention(q, keys, values).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
+                    return self._attend(q, kk, vv, documents, causal=True)
+                # the step-0 prefix causally (inside the document), plus this position's own chain of keys
+                return ttt_attention(q, keys, values, documents).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
 
             hidden = self.step(ids_k, hidden, position_ids + k, attend)
             outs.append(hidden)
@@ -238,7 +262,7 @@ class EagleDrafter(nn.Module):
                 continue
             draft = self.to_target_ids(self.logits(out[:, :n]).argmax(-1))  # (B, n)
             correct[k, :, :n] = draft == target_ids[:, 1 + k:T - 1]
-            valid[k, :, :n] = loss_mask[:, 2 + k:].bool()
+            valid[k, :, :n] = self.trained_mask(loss_mask, position_ids, k)
         return step_counts(correct, valid)
 
     def _target_logits(self, features) -> torch.Tensor:
@@ -283,12 +307,13 @@ class Eagle1Drafter(EagleDrafter):
         if self.training and self.cfg.input_noise > 0:
             hidden = add_uniform_noise(hidden, self.cfg.input_noise)
         ids_in = F.pad(input_ids[:, 1:], (0, 1))  # x_{t+1} at position t
-        out, _ = self(ids_in, hidden, self._default_positions(input_ids, position_ids))
+        out, _ = self(ids_in, hidden, self._default_positions(input_ids, position_ids),
+                      attention_mask=self.document_mask(position_ids))
         n = T - 2  # positions t = 0..T-3 predict x_{t+2}, which exists
         pred, target = out[:, :n], final[:, 1:n + 1]
         target_logits = self._target_logits(features)[:, 1:n + 1]  # q_{t+1}
         pred_logits = self.logits(pred)
-        mask = loss_mask[:, 2:].bool()
+        mask = self.trained_mask(loss_mask, position_ids, 0)
         loss, feature, token = eagle1_loss(pred, target, pred_logits, target_logits, mask,
                                            self.cfg.feature_weight, self.cfg.token_weight, self.cfg.loss,
                                            self.cfg.lk_eta)
@@ -415,7 +440,6 @@ class Eagle3Drafter(EagleDrafter):
         outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids)
         with torch.no_grad():
             target_logp, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
-        loss_mask = loss_mask.bool()
         K = len(outs)
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
         valid = torch.zeros_like(correct)
@@ -429,7 +453,7 @@ class Eagle3Drafter(EagleDrafter):
                 step_alpha.append(zero)
                 continue
             logits = self.logits(out[:, :n])  # (B, n, Vd)
-            scored = loss_mask[:, 2 + k:]  # (B, n)
+            scored = self.trained_mask(loss_mask, position_ids, k)  # (B, n)
             trained = scored & in_draft[:, 1 + k:T - 1]
             if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)

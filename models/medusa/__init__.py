@@ -4,16 +4,17 @@ Head k (k = 0..K-1) reads the verifier's final post-norm hidden state h_t and pr
 own lm_head predicts t+1. A head is n ResBlocks (x + SiLU(W x + b), W and b zero-initialised, so a new head starts
 as exactly the verifier's head) followed by its own Linear(H, V, bias=False) initialised from the verifier's lm_head.
 
-Losses. Head k at position t is scored against token t+k+2, where t+k+2 < T and loss_mask[t+k+2] = 1 (the mask is
-read at the *target* token, so a prompt token is never a target, whatever position predicts it):
+Losses. Head k at position t is scored against token t+k+2, where t+k+2 < T, loss_mask[t+k+2] = 1 (the mask is
+read at the *target* token, so a prompt token is never a target, whatever position predicts it) and, in packed rows,
+token t+k+2 is in t's document (position_ids[t+k+2] == position_ids[t] + k+2: data/documents.py):
     labels:  L_k = mean over valid t of CE(head_k(h_t), x_{t+k+2})
     distill: L_k = mean over valid t of KL(softmax(q_{t+k+1}) || softmax(head_k(h_t))), the verifier's own
              distribution of that same token
     loss = sum_k decay^k L_k   (not normalised by sum_k decay^k; a head with no valid position contributes 0)
 Medusa-2 (the verifier fine-tuned jointly through LoRA) adds lm_weight * CE of the adapted verifier and
-kl_weight * KL(original || adapted) per position where token t+1 is trained, with the heads at heads_weight; in
-`distill` mode the heads learn the *adapted* verifier's distribution (detached). `medusa_head_losses` and
-`medusa2_losses` compute these through models/linear_loss.py, so each head's logits exist only as (C, V) chunks and
+kl_weight * KL(original || adapted) per position where token t+1 is trained (and in t's document), with the heads
+at heads_weight; in `distill` mode the heads learn the *adapted* verifier's distribution (detached).
+`medusa_head_losses` and `medusa2_losses` compute these through models/linear_loss.py, so each head's logits exist only as (C, V) chunks and
 no (K, B, T, V) tensor is ever built; they also return rank hits (how often the true token is head k's rank-r
 prediction), whose ratio to the counts feeds `build_medusa_tree`. (Readable materialised references of the same
 losses live in tests/medusa_reference.py.)
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftheads.data.documents import same_document
 from draftheads.models.linear_loss import linear_loss
 from draftheads.models.verifier import Verifier, VerifierError
 
@@ -201,23 +203,29 @@ class HeadLosses:
     """(K,) valid positions of head k."""
 
 
-def target_weights(loss_mask: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor]:
+def target_weights(loss_mask: torch.Tensor, shift: int, position_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(w (B, T), count ()) for predicting token t+shift from position t: w = valid / count, valid where
-    t+shift < T and loss_mask is 1 at the target, zero elsewhere, so Σ w·loss is the masked mean."""
+    t+shift < T, loss_mask is 1 at the target and (with position_ids of packed rows) the target is in t's
+    document (`data.documents.same_document`), zero elsewhere, so Σ w·loss is the masked mean."""
     B, T = loss_mask.shape
     valid = torch.zeros(B, T, dtype=torch.float32, device=loss_mask.device)
     valid[:, :max(T - shift, 0)] = loss_mask[:, shift:].float()
+    if position_ids is not None:
+        valid = valid * same_document(position_ids, shift)
     count = valid.sum()
     return valid / count.clamp(min=1), count
 
 
 def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                        mode: Literal["labels", "distill"] = "labels", verifier_logits: torch.Tensor | None = None,
-                       decay: float = 0.8, max_rank: int = 1, chunk_rows: int | None = None) -> HeadLosses:
+                       decay: float = 0.8, max_rank: int = 1, chunk_rows: int | None = None,
+                       position_ids: torch.Tensor | None = None) -> HeadLosses:
     """Medusa-1's loss (module docstring) without the (K, B, T, V) logits, plus rank hits for accuracy.
 
     hidden (B, T, H) the verifier's final post-norm state; input_ids, loss_mask (B, T); verifier_logits (B, T, V)
-    for `distill`. Under `torch.no_grad()` it is the held-out evaluation (max_rank=R gives what the tree needs).
+    for `distill`; position_ids (B, T) of packed rows: no target in another document (`target_weights`). Under
+    `torch.no_grad()` it is the held-out evaluation (max_rank=R gives what the tree needs).
     Rows are flattened to N = B·T and head k's position i is paired with token i+k+2 and teacher row i+k+1 by
     offset views; pairs that would cross into the next sequence have weight 0, so nothing (N, V) is copied.
     """
@@ -234,7 +242,7 @@ def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torc
     for k, (block, lm_head) in enumerate(zip(heads.blocks, heads.lm_heads)):
         shift = k + 2
         n = max(N - shift, 0)
-        w, count = target_weights(loss_mask, shift)  # (B, T)
+        w, count = target_weights(loss_mask, shift, position_ids)  # (B, T)
         x = block(hidden).reshape(N, H)[:n]  # (n, H)
         teacher = teacher_all[shift - 1:shift - 1 + n] if teacher_all is not None else None  # (n, V) view
         out = linear_loss(x, lm_head.weight, ids[shift:], w.reshape(N)[:n], teacher,
@@ -253,7 +261,8 @@ def medusa2_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, reference
                    heads: MedusaHeads, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                    mode: Literal["labels", "distill"] = "labels", decay: float = 0.8, lm_weight: float = 1.0,
                    kl_weight: float = 1.0, heads_weight: float = 0.2, max_rank: int = 1,
-                   chunk_rows: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadLosses]:
+                   chunk_rows: int | None = None, position_ids: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor], HeadLosses]:
     """Medusa-2's loss (module docstring) from the adapted verifier's hidden state (B, T, H).
 
     lm_head_weight (V, H) is the verifier's output projection (frozen or not); reference_logits (B, T, V) come from
@@ -262,7 +271,7 @@ def medusa2_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, reference
     """
     B, T = input_ids.shape
     N, V = B * T, lm_head_weight.shape[0]
-    w, _ = target_weights(loss_mask, 1)  # (B, T)
+    w, _ = target_weights(loss_mask, 1, position_ids)  # (B, T)
     own = linear_loss(hidden.reshape(N, -1)[:N - 1], lm_head_weight, input_ids.reshape(N)[1:], w.reshape(N)[:N - 1],
                       reference_logits.reshape(N, V)[:N - 1], ce_weight=lm_weight, kl_weight=kl_weight,
                       chunk_rows=chunk_rows)
@@ -270,7 +279,8 @@ def medusa2_losses(hidden: torch.Tensor, lm_head_weight: torch.Tensor, reference
     if mode == "distill":
         with torch.no_grad():
             adapted = hidden.detach() @ lm_head_weight.T  # (B, T, V)
-    head = medusa_head_losses(heads, hidden, input_ids, loss_mask, mode, adapted, decay, max_rank, chunk_rows)
+    head = medusa_head_losses(heads, hidden, input_ids, loss_mask, mode, adapted, decay, max_rank, chunk_rows,
+                              position_ids)
     loss = own.loss + heads_weight * head.loss
     return loss, {"lm": own.ce, "kl": own.kl, "heads": head.loss.detach()}, head
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from draftheads.data.batching import build_datasets
 from draftheads.data.hidden_states import CacheError, bytes_per_token, cached_datasets, read_index, verify_shards
 from draftheads.data.hidden_states import main as cache_cli
 from draftheads.models.verifier import Verifier
@@ -15,6 +16,7 @@ from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.dump_features import dump
 from draftheads.train.dump_features import main as cli
 from draftheads.train.features import feature_source
+from draftheads.train.placement import load_verifier
 from tests.utils import free_port, save_tiny_verifier_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,9 +147,22 @@ def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_p
     row = train[0]
     verifier = Verifier.from_pretrained(verifier_dir)
     layer_ids = index["layer_ids"]  # the cache's order: stored layer i is layer_ids[i]'s input
-    feats = verifier.features(row["input_ids"][None].long(), row["attention_mask"][None].long(), layer_ids=layer_ids)
-    torch.testing.assert_close(row["final"].float(), feats.final[0], rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(row["layers"][2].float(), feats.layers[2][0], rtol=1e-2, atol=1e-2)
+    # the rows training builds, their document positions included (packed: restarting after each EOS)
+    built, _ = build_datasets(cfg.data, load_verifier(cfg, torch.device("cpu"))[1], seed=cfg.train.seed)
+    for key in ("input_ids", "loss_mask", "position_ids"):
+        assert torch.equal(train[0][key].long(), built[0][key].long()), key
+    packed = next(train[i] for i in range(len(train)) if (train[i]["position_ids"][1:] == 0).any())  # 2+ documents
+    positions = packed["position_ids"].long()
+    feats = verifier.features(packed["input_ids"][None].long(), packed["attention_mask"][None].long(),
+                              layer_ids=layer_ids, position_ids=positions[None])
+    torch.testing.assert_close(packed["final"].float(), feats.final[0], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(packed["layers"][2].float(), feats.layers[2][0], rtol=1e-2, atol=1e-2)
+    # each document's features are its own: the second one computed alone
+    start = int(torch.nonzero(positions[1:] == 0)[0]) + 1
+    rest = torch.nonzero(positions[start + 1:] == 0)
+    end = start + 1 + int(rest[0]) if len(rest) else 32
+    alone = verifier.features(packed["input_ids"][None, start:end].long(), layer_ids=layer_ids)
+    torch.testing.assert_close(packed["final"][start:end].float(), alone.final[0], rtol=1e-2, atol=1e-2)
     loader = torch.utils.data.DataLoader(train, batch_size=2, num_workers=1)  # workers reopen the shards
     assert torch.equal(next(iter(loader))["final"][0], row["final"])
 
@@ -210,6 +225,18 @@ def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):
     shard.unlink()
     with pytest.raises(CacheError, match=r"train-00000\.safetensors: shard missing"):
         cached_datasets(offline)
+
+
+def test_a_version_1_cache_is_refused_in_one_line(verifier_dir, text_rows, tmp_path):
+    """Caches written before position_ids were stored: their packed features attended across documents."""
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run", "--data.max_rows=2"))
+    cache = tmp_path / "cache"
+    dump(cfg, cache, rows_per_shard=64, say=quiet)
+    index = json.loads((cache / "index.json").read_text())
+    (cache / "index.json").write_text(json.dumps({**index, "version": 1}))
+    with pytest.raises(CacheError, match=r"index\.json: a version 1 cache \(no position_ids.*dump it again") as err:
+        cached_datasets(cfg_with_cache(cfg, cache))
+    assert "\n" not in str(err.value)
 
 
 def test_wrong_verifier_wrong_data_and_missing_layers_are_refused(verifier_dir, text_rows, tmp_path):

@@ -43,6 +43,20 @@ def test_packing_shapes_and_counts(tmp_path, tok):
     held = collate([heldout[i] for i in range(len(heldout))])
     assert tok.decode(held["input_ids"][held["attention_mask"].bool()]) == "<|endoftext|>".join(DOCS[-2:]) + \
         "<|endoftext|>"
+    # data.document_mask (the default): positions restart after every EOS and at every row's start, count up by
+    # one inside a document, and restart for the last row's padding
+    pos, ids = batch["position_ids"], batch["input_ids"]
+    for r in range(len(train)):
+        for t in range(32):
+            real = bool(batch["attention_mask"][r, t])
+            starts = t == 0 or (real and ids[r, t - 1] == tok.eos_token_id) or (real != bool(
+                batch["attention_mask"][r, t - 1]))
+            assert int(pos[r, t]) == (0 if starts else int(pos[r, t - 1]) + 1), (r, t)
+    # data.document_mask=false: the same rows, numbered 0..T-1 (documents attend across the EOS between them)
+    across, _ = build_datasets(DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2, document_mask=False),
+                               tok, seed=0)
+    assert torch.equal(across[:]["input_ids"], train[:]["input_ids"])
+    assert (across[:]["position_ids"] == torch.arange(32)).all()
 
 
 def test_padding_shapes_truncation_count_and_strict(tmp_path, tok):
@@ -57,6 +71,7 @@ def test_padding_shapes_truncation_count_and_strict(tmp_path, tok):
     assert lengths == [len(tok("x = 1\n")["input_ids"]) + 1, len(tok("z = 3\n")["input_ids"]) + 1, 16]
     padded = batch["attention_mask"] == 0
     assert (batch["input_ids"][padded] == tok.pad_token_id).all() and (batch["loss_mask"][padded] == 0).all()
+    assert (batch["position_ids"] == torch.arange(16)).all()  # one document a row
     # right padding: once padding starts it does not stop
     assert (batch["attention_mask"].diff(dim=1) <= 0).all()
     strict = DataConfig(source=cfg.source, seq_len=16, pack=False, eval_rows=0, strict=True)
@@ -115,7 +130,7 @@ def test_deterministic_for_a_seed_and_loader_ready(tmp_path, tok):
     assert not torch.equal(a[:]["input_ids"], c[:]["input_ids"])
     loader = DataLoader(a, batch_size=4, shuffle=False, collate_fn=collate)
     first = next(iter(loader))
-    assert set(first) == {"input_ids", "attention_mask", "loss_mask"}
+    assert set(first) == {"input_ids", "attention_mask", "loss_mask", "position_ids"}
     assert first["input_ids"].shape == (4, 16) and first["input_ids"].dtype == torch.long
 
 

@@ -115,6 +115,29 @@ def test_medusa_head_losses_equal_medusa_loss(mode):
 
 
 @pytest.mark.parametrize("mode", ["labels", "distill"])
+def test_packed_documents_equal_the_reference_with_segments(mode):
+    """position_ids restarting per document: no target in another document, as the reference's segment_ids."""
+    from draftheads.data.documents import document_ids
+
+    heads, hidden, ids, mask, verifier_logits = _heads_and_batch(seed=5)
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 0, 1], list(range(13))])
+    got = medusa_head_losses(heads, hidden, ids, mask, mode, verifier_logits, decay=0.8, chunk_rows=7,
+                             position_ids=positions)
+    loss, per_head = medusa_loss(heads(hidden), ids, mask, mode, verifier_logits, decay=0.8,
+                                 segment_ids=document_ids(positions))
+    _close(got.loss, loss)
+    _close(got.per_head, per_head)
+    plain = medusa_head_losses(heads, hidden, ids, mask, mode, verifier_logits, decay=0.8, chunk_rows=7)
+    assert (plain.counts > got.counts).all()  # the rule took targets away
+    lm = torch.randn(heads.vocab_size, heads.hidden_size, dtype=torch.float64)
+    total, parts, _ = medusa2_losses(hidden, lm, verifier_logits, heads, ids, mask, mode, position_ids=positions)
+    ref_total, ref_parts = medusa2_loss(hidden @ lm.T, verifier_logits, heads(hidden), ids, mask, mode,
+                                        segment_ids=document_ids(positions))
+    _close(total, ref_total)
+    _close(parts["lm"], ref_parts["lm"])
+
+
+@pytest.mark.parametrize("mode", ["labels", "distill"])
 def test_medusa2_losses_equal_medusa2_loss(mode):
     heads, hidden, ids, mask, reference = _heads_and_batch(seed=3)
     g = torch.Generator().manual_seed(4)
