@@ -114,7 +114,8 @@ def main(cfg: DFlashRunConfig) -> dict:
     # ---- held-out evaluation: counts summed over batches and processes, turned into rates once ----
     def measure(batch: dict) -> dict[str, torch.Tensor]:
         # Held-out anchors from a generator seeded per evaluation, so every evaluation scores the same blocks.
-        out = model(batch["input_ids"], features(batch), batch["loss_mask"], generator=eval_generator)
+        out = model(batch["input_ids"], features(batch), batch["loss_mask"], generator=eval_generator,
+                    position_ids=batch.get("position_ids"))  # packed rows: restarting per document
         c = out.counts
         return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
                 "chain_correct": c.chain_correct, "chain_valid": c.chain_valid}
@@ -150,7 +151,7 @@ def main(cfg: DFlashRunConfig) -> dict:
     for batch in loop.batches():
         feats = features(batch)  # frozen verifier, no grad: outside the autocast/accumulate block on purpose
         with accelerator.accumulate(model):
-            out = model(batch["input_ids"], feats, batch["loss_mask"])
+            out = model(batch["input_ids"], feats, batch["loss_mask"], position_ids=batch.get("position_ids"))
             accelerator.backward(out.loss)
             loop.step(out.loss, step_metrics(out), tokens=batch_tokens(batch))
     loop.finish()

@@ -8,11 +8,16 @@ anchor. Attention (queries: the A*N block tokens; keys: [context 0..T-1 | block 
   - block j sees the context strictly before its anchor (s < a: the verifier has not yet run on x_a at inference);
   - block j sees its own N tokens (bidirectionally; sliding-window layers causally within the window);
   - blocks never see each other. Invalid (padding) blocks see only themselves and train nothing.
+Packed rows (position_ids restarting per document, data/documents.py): a block sits at its anchor's position within
+its document (position_ids[a] + k), sees only its own document's context, and trains position k only when a+k is in
+the anchor's document, so a packed document trains exactly as the document alone would.
 """
 
 from __future__ import annotations
 
 import torch
+
+from draftheads.data.documents import document_ids, same_document
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
@@ -39,24 +44,27 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.G
 
 
 def block_inputs(input_ids: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor, block_size: int,
-                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 mask_token_id: int, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks' token ids and positions, flattened block after block: (B, A*N) each. Block j is
-    [x_a, MASK x (N-1)] at a .. a+N-1 (an invalid block: all MASK, at 0 .. N-1)."""
+    [x_a, MASK x (N-1)] at p .. p+N-1, p = position_ids[a] (= a without position_ids; an invalid block: all MASK,
+    at 0 .. N-1)."""
     B, A = anchors.shape
     N = block_size
     anchors = torch.where(valid, anchors, torch.zeros_like(anchors))
     ids = torch.full((B, A, N), mask_token_id, dtype=input_ids.dtype, device=input_ids.device)
     first = input_ids.gather(1, anchors)  # (B, A)
     ids[:, :, 0] = torch.where(valid, first, torch.full_like(first, mask_token_id))
-    positions = anchors[:, :, None] + torch.arange(N, device=anchors.device)  # (B, A, N)
+    start = anchors if position_ids is None else position_ids.long().gather(1, anchors)
+    start = torch.where(valid, start, torch.zeros_like(start))
+    positions = start[:, :, None] + torch.arange(N, device=anchors.device)  # (B, A, N)
     return ids.view(B, A * N), positions.view(B, A * N)
 
 
 def block_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
-                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_size: int, position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """What block positions k = 1..N-1 predict: tokens[a+k] (B, A, N-1), and whether it is trained: the block is
-    valid, a+k < T and loss_mask[a+k] = 1 (B, A, N-1) bool. `tokens` (B, T): the data, or the verifier's greedy
-    token at each position."""
+    valid, a+k < T, loss_mask[a+k] = 1 and (with position_ids) a+k is in a's document (B, A, N-1) bool. `tokens`
+    (B, T): the data, or the verifier's greedy token at each position."""
     B, T = tokens.shape
     index = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)  # (B, A, N-1)
     inside = index < T
@@ -64,14 +72,18 @@ def block_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.
     flat = index.view(B, -1)
     targets = tokens.gather(1, flat).view_as(index)
     trained = loss_mask.bool().gather(1, flat).view_as(index) & inside & valid[:, :, None]
+    if position_ids is not None:
+        same = torch.stack([same_document(position_ids, k) for k in range(1, block_size)], -1)  # (B, T, N-1)
+        trained &= same.gather(1, anchors[:, :, None].expand(-1, -1, block_size - 1))
     return targets, trained
 
 
 def anchored_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """(B, A*N, T + A*N) bool, True = attend: queries are the blocks' tokens, keys [context 0..T-1 | blocks]; see
     the module docstring. With `sliding_window` (sliding layers): context keys also within the window of the query's
-    position, and the block causal within the window."""
+    position, and the block causal within the window. With position_ids (packed rows): context keys of the anchor's
+    document only."""
     B, A = anchors.shape
     N, T = block_size, context_length
     dev = anchors.device
@@ -79,6 +91,9 @@ def anchored_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_leng
     valid_of_query = valid.repeat_interleave(N, dim=1)
     s = torch.arange(T, device=dev)
     context = (s[None, None, :] < anchor_of_query[:, :, None]) & valid_of_query[:, :, None]  # (B, A*N, T)
+    if position_ids is not None:
+        docs = document_ids(position_ids)  # (B, T)
+        context = context & (docs[:, None, :] == docs.gather(1, anchor_of_query)[:, :, None])
     q_block = torch.arange(A * N, device=dev) // N
     q_offset = torch.arange(A * N, device=dev) % N
     own = q_block[:, None] == q_block[None, :]  # (A*N, A*N)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftheads.data.documents import same_document
 from draftheads.models.dflash.blocks import anchored_block_mask, block_inputs, block_targets, sample_anchors
 from draftheads.models.dflash.config import DFlashConfig, DFlashError
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
@@ -250,16 +251,20 @@ class DFlashDrafter(nn.Module):
 
     # ---- training ------------------------------------------------------------------------------------------------
     def anchored_hidden(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, anchors: torch.Tensor,
-                        valid: torch.Tensor) -> torch.Tensor:
+                        valid: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Every anchored block of every row in one forward: input_ids (B, T), target_hidden (B, T, L*H) (the
         whole row's context), anchors / valid (B, A). Block j of row b reads [x_a, MASK x (N-1)] at positions
         a .. a+N-1 (a = anchors[b, j]), sees the context strictly before a and its own block, no other block.
+        position_ids (B, T) of packed rows (restarting per document): the context at its document positions, a
+        block at its anchor's, attending inside the anchor's document only (models/dflash/blocks.py).
         Returns the final-normed hidden (B, A, N, H)."""
         B, T = input_ids.shape
         A, N = anchors.shape[1], self.cfg.block_size
-        ids, positions = block_inputs(input_ids, anchors, valid, N, self.cfg.mask_token_id)  # (B, A*N) each
-        context_positions = torch.arange(T, device=input_ids.device).expand(B, T)
-        masks = {kind: anchored_block_mask(anchors, valid, T, N, window)[:, None]
+        ids, positions = block_inputs(input_ids, anchors, valid, N, self.cfg.mask_token_id,
+                                      position_ids)  # (B, A*N) each
+        context_positions = (torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None
+                             else position_ids.long())
+        masks = {kind: anchored_block_mask(anchors, valid, T, N, window, position_ids)[:, None]
                  for kind, window in self._mask_kinds()}
         hidden = self(torch.cat([context_positions, positions], 1), masks, self.embed(ids), target_hidden)
         return hidden.view(B, A, N, -1)
@@ -272,9 +277,13 @@ class DFlashDrafter(nn.Module):
 
     def training_loss(self, input_ids: torch.Tensor, features, loss_mask: torch.Tensor,
                       anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      generator: torch.Generator | None = None) -> EagleOutput:
+                      generator: torch.Generator | None = None,
+                      position_ids: torch.Tensor | None = None) -> EagleOutput:
         """Loss and counts for one batch: input_ids (B, T), `VerifierFeatures` with the `feature_layers` inputs,
-        loss_mask (B, T); anchors: (anchors, valid) (B, A), else sampled (`cfg.num_anchors` per row).
+        loss_mask (B, T); anchors: (anchors, valid) (B, A), else sampled (`cfg.num_anchors` per row) among the
+        loss-masked positions whose next token is in their document; position_ids (B, T): packed rows' positions
+        (restarting per document; the features were computed with them), so no block reads or predicts across a
+        document boundary.
 
         Block position k = 1..N-1 predicts the token at anchor + k (the data token, or the verifier's greedy token
         with cfg.targets = verifier), trained where it exists and loss_mask is 1, with weight exp(-(k-1)/gamma),
@@ -288,10 +297,11 @@ class DFlashDrafter(nn.Module):
                               f"target layers {cfg.target_layer_ids}); got {len(features.layers)} layer tensors")
         target_hidden = torch.cat(features.layers, dim=-1)  # (B, T, L*H)
         if anchors is None:
-            anchors = sample_anchors(loss_mask, cfg.num_anchors, generator=generator)
+            candidates = loss_mask if position_ids is None else loss_mask * same_document(position_ids, 1)
+            anchors = sample_anchors(candidates, cfg.num_anchors, generator=generator)
         anchors, valid = anchors
-        hidden = self.anchored_hidden(input_ids, target_hidden, anchors, valid)[:, :, 1:]  # (B, A, N-1, H)
-        data_targets, trained = block_targets(input_ids, loss_mask, anchors, valid, N)  # (B, A, N-1)
+        hidden = self.anchored_hidden(input_ids, target_hidden, anchors, valid, position_ids)[:, :, 1:]
+        data_targets, trained = block_targets(input_ids, loss_mask, anchors, valid, N, position_ids)  # (B, A, N-1)
         greedy_targets = self._greedy_at(features, anchors)  # (B, A, N-1)
         targets = data_targets if cfg.targets == "data" else greedy_targets
         loss, step_losses = dflash_loss(hidden, self._need_verifier().lm_head.weight, targets, trained,

@@ -2,7 +2,8 @@
 
 The verifier's features of a packed row (position_ids restarting per document) equal each document's features
 computed alone, for tiny Llama and Qwen3 verifiers in float32; the EAGLE drafters' TTT unroll, loss and counts on a
-packed row equal the per-document ones; a model that would attend across is refused in one line.
+packed row equal the per-document ones, and so do DFlash's anchored blocks; a model that would attend across is
+refused in one line.
 """
 
 import pytest
@@ -95,6 +96,44 @@ def test_drafter_on_a_packed_row_equals_each_document_alone(verifier, variant):
         across = drafter.training_loss(row, verifier.features(row, layer_ids=drafter.feature_layers,
                                                               return_logits=True), mask)
     assert across.counts.valid.sum() > packed.counts.valid.sum()
+
+
+def test_dflash_blocks_on_a_packed_row_equal_each_document_alone(verifier):
+    """DFlash's anchored blocks in a packed row (an anchor in each document) read what the same block reads in its
+    document alone: the same hidden states, and the same trained targets (none past the document's end)."""
+    from draftheads.models.dflash import DFlashConfig
+    from draftheads.models.dflash import build_drafter as build_dflash
+
+    N = 4
+    torch.manual_seed(0)
+    drafter = build_dflash(verifier, DFlashConfig(num_hidden_layers=2, block_size=N)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2)
+    docs, row, positions = packed_docs()
+    feats = verifier.features(row, layer_ids=drafter.feature_layers, position_ids=positions)
+    ctx = torch.cat(feats.layers, -1)
+    local = [1, 4, 3]  # an anchor per document, the last two with a block running past the document's end
+    starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+    anchors = torch.tensor([[s + a for s, a in zip(starts, local)]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    mask = torch.ones_like(row)
+    from draftheads.models.dflash.blocks import block_targets
+    with torch.no_grad():
+        packed = drafter.anchored_hidden(row, ctx, anchors, valid, positions)  # (1, 3, N, H)
+        _, trained = block_targets(row, mask, anchors, valid, N, positions)
+        for j, (doc, a) in enumerate(zip(docs, local)):
+            f = verifier.features(doc[None], layer_ids=drafter.feature_layers)
+            alone = drafter.anchored_hidden(doc[None], torch.cat(f.layers, -1), torch.tensor([[a]]),
+                                            torch.ones(1, 1, dtype=torch.bool))
+            torch.testing.assert_close(packed[0, j], alone[0, 0], rtol=1e-5, atol=1e-5)
+            _, trained_alone = block_targets(doc[None], torch.ones_like(doc[None]), torch.tensor([[a]]),
+                                             torch.ones(1, 1, dtype=torch.bool), N)
+            assert trained[0, j].tolist() == trained_alone[0, 0].tolist()
+        assert not trained[0, 2].all()  # the last document ends inside its block: those positions train nothing
+        # ... and the reference can fail: without the positions the blocks read the documents before theirs.
+        across = drafter.anchored_hidden(row, ctx, anchors, valid)
+    assert not torch.allclose(across[0, 1], packed[0, 1], atol=1e-3)
 
 
 def test_a_model_that_attends_across_is_refused():
