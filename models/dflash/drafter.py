@@ -49,6 +49,7 @@ from draftheads.models.dflash.blocks import anchored_block_mask, block_inputs, b
 from draftheads.models.dflash.config import DFlashConfig, DFlashError
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.losses import dflash_loss
+from draftheads.models.eagle.layer import norm_scale
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
 
 
@@ -330,8 +331,11 @@ def index_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Te
 
 def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None) -> DFlashDrafter:
     """A fresh drafter for `verifier` (its config resolved from the verifier's; fp32 unless `dtype`), on the
-    verifier's device, reading the verifier's embedding and lm_head."""
+    verifier's device, reading the verifier's embedding and lm_head. Its final norm starts as the verifier's (the
+    per-channel scale the verifier's lm_head is used to reading), as EAGLE-3's does."""
     resolved = cfg.resolve(verifier.config)
     verifier.check_layer_ids([i + 1 for i in resolved.target_layer_ids], key="dflash.target_layer_ids (+1)")
     drafter = DFlashDrafter(resolved, verifier)
+    with torch.no_grad():
+        drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
     return drafter.to(device=verifier.device, dtype=dtype or torch.float32)

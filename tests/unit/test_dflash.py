@@ -179,3 +179,12 @@ def test_cache_crop_and_engine_mask(verifier):
     assert mask.shape == (2, 1, N, 5 + N)
     assert mask[0, 0, 0].tolist() == [True, True, False, False, False] + [True] * N
     assert mask[1, 0, 3, :5].tolist() == [True] * 4 + [False]
+
+
+def test_final_norm_starts_as_the_verifiers():
+    verifier = Verifier(tiny_model("llama", num_layers=4, vocab_size=64))
+    with torch.no_grad():
+        verifier.norm.weight.uniform_(0.5, 2.0)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=N))
+    x = torch.randn(3, verifier.hidden_size)
+    assert torch.allclose(drafter.norm(x), verifier.norm(x), atol=1e-5)
