@@ -14,7 +14,7 @@ import math
 import torch
 
 from draftheads.models.schedule import warmup_cosine_schedule
-from draftheads.models.tiny.muon import adjusted_lr, newton_schulz
+from draftheads.models.tiny.muon import adjusted_lr, muon_update
 from draftheads.train.config import ConfigError, RunConfig
 
 #: Parameters kept on AdamW under `train.optimizer: muon` although they are matrices: vocabulary-sized heads and
@@ -94,13 +94,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 grad, state = p.grad, self.state[p]
                 p.mul_(1 - lr * decay)
                 if group["use_muon"]:
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                    buf = state["momentum_buffer"]
-                    buf.lerp_(grad, 1 - group["momentum"])
-                    update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                    update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["ns_eps"],
-                                           self.ns_dtype)
+                    update = muon_update(grad, state, group, group["ns_eps"], self.ns_dtype)
                     p.add_(update.to(p.dtype), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
                     continue
                 if "step" not in state:

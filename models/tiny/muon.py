@@ -41,6 +41,17 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr
 
 
+def muon_update(grad: torch.Tensor, state: dict, group: dict, eps: float, ns_dtype: torch.dtype) -> torch.Tensor:
+    """torch.optim.Muon's update direction for one matrix: the momentum buffer in `state` (Nesterov when
+    group["nesterov"]), orthogonalised by `newton_schulz` in ns_dtype. Shared by Muon and train/optim.MuonAdamW."""
+    if "momentum_buffer" not in state:
+        state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+    buf = state["momentum_buffer"]
+    buf.lerp_(grad, 1 - group["momentum"])
+    update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+    return newton_schulz(update, group["ns_coefficients"], group["ns_steps"], eps, ns_dtype)
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon (its arguments, checks, param groups and state), with `ns_dtype` for the orthogonalisation.
     ns_dtype=torch.bfloat16 gives torch's update to the bit (tests/unit/test_muon.py)."""
@@ -56,21 +67,14 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, decay, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+            lr, decay = float(group["lr"]), group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 grad = p.grad
                 if grad.ndim != 2:
                     raise ValueError(f"Muon updates 2-D matrices; got a parameter of shape {tuple(p.shape)}")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"],
-                                       self.ns_dtype)
+                update = muon_update(grad, self.state[p], group, group["eps"], self.ns_dtype)
                 p.mul_(1 - lr * decay)
                 p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
         return loss
