@@ -20,15 +20,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 N = 5  # block size
 
 
-@pytest.mark.parametrize("loss", ["ce", "kl"])
-def test_training_blocks_draft_and_accept_as_the_engine(loss):
+@pytest.mark.parametrize("settings", [{"loss": "ce"}, {"loss": "kl"},
+                                      {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}])
+def test_training_blocks_draft_and_accept_as_the_engine(settings):
     model = peaked_model("qwen3")
     verifier = Verifier(model)
     prompts = [[5, 77, 31, 200, 9], [42, 9, 8, 8], [3, 40, 9, 100, 7, 64]]
     corpus = greedy_corpus(model, prompts, 24)
     torch.manual_seed(0)
-    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=N, target_layer_ids=[0, 2],
-                                                   mask_token_id=0, num_anchors=16, loss=loss))
+    layers = len(settings.get("layer_types", [None]))
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=layers, block_size=N, target_layer_ids=[0, 2],
+                                                   mask_token_id=0, num_anchors=16, **settings))
     drafter = train_eagle_briefly(drafter, verifier, corpus, steps=15, lr=1e-2)
 
     row = corpus[0]
