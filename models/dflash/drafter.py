@@ -288,8 +288,9 @@ class DFlashDrafter(nn.Module):
         Block position k = 1..N-1 predicts the token at anchor + k (the data token, or the verifier's greedy token
         with cfg.targets = verifier; cfg.loss = kl: the verifier's whole distribution there), trained where it exists
         and loss_mask is 1, with weight exp(-(k-1)/gamma), normalised by the sum of the weights (a weighted mean).
-        The lm_head's logits are never all held at once (models/linear_loss.py). Counts: block position k is right when its argmax equals the verifier's greedy
-        token at anchor + k, scored where loss_mask is 1 (`StepCounts` over K = N-1 positions)."""
+        The lm_head's logits are never all held at once (models/linear_loss.py). Counts: block position k is right
+        when its argmax equals the verifier's greedy token at anchor + k, scored where loss_mask is 1 (`StepCounts`
+        over K = N-1 positions)."""
         cfg = self.cfg
         N = cfg.block_size
         if len(features.layers) != len(cfg.target_layer_ids):
