@@ -11,6 +11,7 @@
 #     DFLASH_MAX_NEW_TOKENS=32 bash scripts/bench_dflash.sh      # a smoke run of the whole pipeline (minutes)
 #
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
+# DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
@@ -22,6 +23,7 @@ PROMPTS=${DFLASH_PROMPTS:-8}
 TOKENS=${DFLASH_MAX_NEW_TOKENS:-128}
 BLOCKS=${DFLASH_BLOCKS:-4 8 16}
 DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
+JOBS=${DFLASH_JOBS:-1}
 # tiny-micro has 4 layers: EAGLE's default feature layers (2, L//2, L-3 made distinct), not tiny-code's [2, 4, 7]
 LAYERS=${DFLASH_EAGLE_LAYER_IDS:-$([ "$VERIFIER" = tiny-micro ] && echo null || echo "")}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -32,12 +34,17 @@ COMMON=(--verifier "$VERIFIER" --wandb.enabled=false --train.max_steps="$STEPS" 
         --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
         --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8)
 
-train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder
+train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder, up to $JOBS at a time
   local label=$1 script=$2 config=$3
   shift 3
   if [ ! -f "$DIR/$label/drafter/config.json" ]; then
     echo "== training $label ($STEPS steps) $*"
-    python "$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@"
+    if [ "$JOBS" -le 1 ]; then
+      python "$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@"
+    else
+      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+      python "$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@" >"$DIR/$label.log" 2>&1 &
+    fi
   fi
 }
 
@@ -48,6 +55,10 @@ for b in $BLOCKS; do
   # the data are the verifier's own output: block position k learns the data token (dflash.targets=data)
   train "dflash-b$b" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" --dflash.targets=data
   DFLASH+=("b$b=$DIR/dflash-b$b/drafter")
+done
+wait
+for label in eagle3 peagle $(printf 'dflash-b%s ' $BLOCKS); do  # a parallel training that failed: name its log
+  [ -f "$DIR/$label/drafter/config.json" ] || { echo "training $label failed: see $DIR/$label.log" >&2; exit 1; }
 done
 
 python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \

@@ -30,8 +30,9 @@ def slow_block_mask(anchors, valid, T: int, N: int, window: int | None = None) -
     return mask
 
 
-def slow_loss(logits, input_ids, loss_mask, anchors, valid, gamma: float) -> torch.Tensor:
-    """The DFlash loss by loops: logits (B, A, N-1, V) of block positions 1..N-1; targets x_{a+k}."""
+def slow_loss(logits, input_ids, loss_mask, anchors, valid, gamma: float, teacher=None) -> torch.Tensor:
+    """The DFlash loss by loops: logits (B, A, N-1, V) of block positions 1..N-1; targets x_{a+k}, or with teacher
+    (B, T, V) (the verifier's logits) KL(softmax(teacher[a+k-1]) || softmax(logits))."""
     B, A, K, _ = logits.shape
     T = input_ids.shape[1]
     num, den = 0.0, 0.0
@@ -44,8 +45,13 @@ def slow_loss(logits, input_ids, loss_mask, anchors, valid, gamma: float) -> tor
                 if a + k >= T or not loss_mask[b, a + k]:
                     continue
                 w = math.exp(-(k - 1) / gamma)
-                ce = -F.log_softmax(logits[b, j, k - 1].double(), -1)[input_ids[b, a + k]]
-                num += w * float(ce)
+                log_q = F.log_softmax(logits[b, j, k - 1].double(), -1)
+                if teacher is None:
+                    loss = -log_q[input_ids[b, a + k]]
+                else:
+                    log_p = F.log_softmax(teacher[b, a + k - 1].double(), -1)
+                    loss = (log_p.exp() * (log_p - log_q)).sum()
+                num += w * float(loss)
                 den += w
     return torch.tensor(num / den, dtype=torch.float64)
 

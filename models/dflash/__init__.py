@@ -15,7 +15,8 @@ block position k (1 <= k < N) proposes x_{p+k}: N-1 draft tokens, verified as a 
 Training (models/dflash/blocks.py, losses.py): A random anchors per row at loss-masked positions, all blocks in
 one forward over the row's whole context with the anchored block mask (a block sees the context strictly before its
 anchor and itself, never another block); position k learns x_{a+k} (or the verifier's greedy token there) with
-cross-entropy weighted exp(-(k-1)/gamma), gamma = 7 for N = 16, 4 for N = 8 (1 + 3N/8 in general).
+cross-entropy (loss: kl, KL against the verifier's distribution) weighted exp(-(k-1)/gamma), gamma = 7 for N = 16,
+4 for N = 8 (1 + 3N/8 in general).
 
 Parameter names and `forward` follow z-lab's `DFlashDraftModel` (`dflash` 0.1.0), so weights move between the two
 unchanged; the engine API is in drafter.py's docstring. Export / load: models/export.py.

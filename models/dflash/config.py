@@ -67,6 +67,10 @@ class DFlashConfig:
     targets: Literal["data", "verifier"] = "data"
     """Training: what block position k learns, the data token anchor+k (self-distilled data: the verifier's own
     output) or the verifier's greedy token there (argmax of its logits at anchor+k-1)."""
+    loss: Literal["ce", "kl"] = "ce"
+    """Training: `ce`, cross-entropy against the `targets` token (the DFlash paper's); `kl`, KL(verifier || drafter)
+    against the verifier's whole next-token distribution at anchor+k (its logits at anchor+k-1: soft targets, as
+    our EAGLE-3 trains)."""
     hidden_size: int | None = None
     """Drafter width; null: the verifier's (it must be)."""
     intermediate_size: int | None = None
@@ -113,6 +117,9 @@ class DFlashConfig:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise DFlashError(f"dflash.{key}={value}: expected a number > 0 or null")
+        for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl"))):
+            if getattr(self, key) not in allowed:
+                raise DFlashError(f"dflash.{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise DFlashError(f"dflash.mask_token_id={self.mask_token_id}: expected a token id >= 0 or null")
         if self.mask_token_id is not None and self.vocab_size is not None and self.mask_token_id >= self.vocab_size:

@@ -286,10 +286,11 @@ class DFlashDrafter(nn.Module):
         document boundary.
 
         Block position k = 1..N-1 predicts the token at anchor + k (the data token, or the verifier's greedy token
-        with cfg.targets = verifier), trained where it exists and loss_mask is 1, with weight exp(-(k-1)/gamma),
-        normalised by the sum of the weights (a weighted mean). The lm_head's logits are never all held at once
-        (models/linear_loss.py). Counts: block position k is right when its argmax equals the verifier's greedy
-        token at anchor + k, scored where loss_mask is 1 (`StepCounts` over K = N-1 positions)."""
+        with cfg.targets = verifier; cfg.loss = kl: the verifier's whole distribution there), trained where it exists
+        and loss_mask is 1, with weight exp(-(k-1)/gamma), normalised by the sum of the weights (a weighted mean).
+        The lm_head's logits are never all held at once (models/linear_loss.py). Counts: block position k is right
+        when its argmax equals the verifier's greedy token at anchor + k, scored where loss_mask is 1 (`StepCounts`
+        over K = N-1 positions)."""
         cfg = self.cfg
         N = cfg.block_size
         if len(features.layers) != len(cfg.target_layer_ids):
@@ -302,10 +303,12 @@ class DFlashDrafter(nn.Module):
         anchors, valid = anchors
         hidden = self.anchored_hidden(input_ids, target_hidden, anchors, valid, position_ids)[:, :, 1:]
         data_targets, trained = block_targets(input_ids, loss_mask, anchors, valid, N, position_ids)  # (B, A, N-1)
-        greedy_targets = self._greedy_at(features, anchors)  # (B, A, N-1)
+        greedy_targets = torch.stack([self._teacher_at(features, anchors, k).argmax(-1) for k in range(N - 1)],
+                                     -1)  # (B, A, N-1)
         targets = data_targets if cfg.targets == "data" else greedy_targets
+        teacher = (lambda k: self._teacher_at(features, anchors, k)) if cfg.loss == "kl" else None
         loss, step_losses = dflash_loss(hidden, self._need_verifier().lm_head.weight, targets, trained,
-                                        cfg.loss_gamma)
+                                        cfg.loss_gamma, teacher)
         with torch.no_grad():
             K = N - 1
             correct = torch.stack([self.logits(hidden[:, :, k]).argmax(-1) == greedy_targets[:, :, k]
@@ -314,21 +317,15 @@ class DFlashDrafter(nn.Module):
         return EagleOutput(loss=loss, step_losses=step_losses, counts=counts)
 
     @torch.no_grad()
-    def _greedy_at(self, features, anchors: torch.Tensor) -> torch.Tensor:
-        """(B, A, N-1): the verifier's greedy token at anchor + k, k = 1..N-1 (argmax of its logits at anchor + k - 1,
-        clamped inside the row), one block position at a time (never the whole row's logits)."""
+    def _teacher_at(self, features, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """(B, A, V): the verifier's logits for block position k + 1, i.e. its next-token logits at anchor + k
+        (clamped inside the row; positions past it are not trained), from features.logits or lm_head(final)."""
         final = features.final  # (B, T, H)
-        B, T = final.shape[:2]
-        out = []
-        for k in range(1, self.cfg.block_size):
-            index = (anchors + k - 1).clamp(max=T - 1)  # (B, A)
-            if features.logits is not None:
-                rows = features.logits.gather(1, index[:, :, None].expand(-1, -1, features.logits.shape[-1]))
-            else:
-                h = final.gather(1, index[:, :, None].expand(-1, -1, final.shape[-1]))  # (B, A, H)
-                rows = self._need_verifier().lm_head(h)
-            out.append(rows.argmax(-1))
-        return torch.stack(out, dim=-1)
+        index = (anchors + k).clamp(max=final.shape[1] - 1)  # (B, A)
+        if features.logits is not None:
+            return features.logits.gather(1, index[:, :, None].expand(-1, -1, features.logits.shape[-1]))
+        h = final.gather(1, index[:, :, None].expand(-1, -1, final.shape[-1]))  # (B, A, H)
+        return self._need_verifier().lm_head(h)
 
 
 def index_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Tensor:

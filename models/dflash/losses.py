@@ -4,6 +4,7 @@ the one every accepted chain needs, weighs most (the DFlash paper; SpecForge's a
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -19,13 +20,16 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def dflash_loss(hidden: torch.Tensor, lm_weight: torch.Tensor, targets: torch.Tensor, trained: torch.Tensor,
-                gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The DFlash loss, sum over trained positions of w_k CE(lm_head(h), target) / the sum of their w_k, and each
-    block position's mean CE (detached, for logging).
+                gamma: float, teacher: Callable[[int], torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DFlash loss, sum over trained positions of w_k loss_k / the sum of their w_k, and each block position's
+    mean loss (detached, for logging). loss_k: CE(lm_head(h), target), or with `teacher` KL(softmax(teacher(k)) ||
+    softmax(lm_head(h))), the verifier's whole distribution as a soft target.
 
     hidden (B, A, N-1, H) the drafter's output at block positions 1..N-1; lm_weight (V, H) the verifier's lm_head;
-    targets / trained (B, A, N-1). The (rows, V) logits of one block position exist only inside `linear_loss`
-    (never all of them at once), so a real vocabulary with hundreds of anchors per row fits.
+    targets / trained (B, A, N-1); teacher(k) -> (B, A, V) the verifier's logits for block position k + 1 (called
+    one position at a time). The (rows, V) logits of one block position exist only inside `linear_loss` (never all
+    of them at once), so a real vocabulary with hundreds of anchors per row fits.
     Returns (loss (), step_losses (N-1,))."""
     K = hidden.shape[2]
     w = position_weights(K + 1, gamma).to(hidden.device)
@@ -34,8 +38,16 @@ def dflash_loss(hidden: torch.Tensor, lm_weight: torch.Tensor, targets: torch.Te
     losses, step_losses = [], []
     for k in range(K):
         x = hidden[:, :, k].reshape(-1, hidden.shape[-1]).to(lm_weight.dtype)  # (B*A, H)
-        out = linear_loss(x, lm_weight, targets[:, :, k].reshape(-1), (weights[:, :, k] / total).reshape(-1))
+        token_weight = (weights[:, :, k] / total).reshape(-1)
+        if teacher is None:
+            out = linear_loss(x, lm_weight, targets[:, :, k].reshape(-1), token_weight)
+            part = out.ce
+        else:
+            soft = teacher(k).reshape(x.shape[0], -1)  # (B*A, V)
+            out = linear_loss(x, lm_weight, targets[:, :, k].reshape(-1), token_weight, teacher_logits=soft,
+                              ce_weight=0.0, kl_weight=1.0)
+            part = out.kl
         losses.append(out.loss)
         count = trained[:, :, k].sum().clamp(min=1)
-        step_losses.append(out.ce.detach() * total / (w[k] * count))
+        step_losses.append(part.detach() * total / (w[k] * count))
     return torch.stack(losses).sum(), torch.stack(step_losses)

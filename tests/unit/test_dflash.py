@@ -56,6 +56,7 @@ def test_defaults_follow_the_reference():
     ({"num_attention_heads": 6, "num_key_value_heads": 4}, "not a multiple"),
     ({"layer_types": ["sliding_attention"]}, "dflash.sliding_window"),
     ({"gamma": 0.0}, "dflash.gamma=0.0"),
+    ({"loss": "mse"}, "dflash.loss='mse': expected one of ce, kl"),
 ])
 def test_bad_config_one_line(values, key):
     with pytest.raises(DFlashError, match=key.replace("[", r"\[").replace("]", r"\]")) as err:
@@ -98,8 +99,9 @@ def test_block_mask_matches_slow_reference(window):
     assert torch.equal(mask, slow_block_mask(anchors, valid, 11, N, window))
 
 
-def test_loss_matches_slow_reference(verifier):
-    drafter = make(verifier)
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_loss_matches_slow_reference(verifier, loss):
+    drafter = make(verifier, loss=loss)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 64, (2, 12), generator=g)
     loss_mask = torch.ones(2, 12, dtype=torch.long)
@@ -111,7 +113,8 @@ def test_loss_matches_slow_reference(verifier):
     with torch.no_grad():
         hidden = drafter.anchored_hidden(ids, torch.cat(feats.layers, -1), *anchors)
         logits = drafter.logits(hidden[:, :, 1:])
-    expected = slow_loss(logits, ids, loss_mask, *anchors, drafter.cfg.loss_gamma)
+        teacher = verifier.lm_head(feats.final) if loss == "kl" else None
+    expected = slow_loss(logits, ids, loss_mask, *anchors, drafter.cfg.loss_gamma, teacher)
     assert torch.allclose(out.loss.double(), expected, atol=1e-5)
     out.loss.backward()
     assert drafter.fc.weight.grad.abs().sum() > 0 and verifier.lm_head.weight.grad is None
