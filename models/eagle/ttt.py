@@ -61,9 +61,9 @@ class _PrefixFlashTTT(torch.autograd.Function):
     Backward: the flash kernel's backward of the prefix block, given the upstream gradient scaled by exp(L_0 - L)
     and the *merged* output (it reads `out` only for rowsum(dO * out), which the merged softmax needs), gives the
     prefix's dq, dK_0, dV_0 exactly; the chain's terms are written out (dS = P * (dP - rowsum(dO * out))).
-    Against autograd over `ttt_attention`'s lines this skips, per step, the masked (T, T) score copy, the GQA copies
-    of K_0 and V_0 (made once here) and the concatenation of the scores with their slices
-    in the gradient: about 2.5x less time on a CPU. The chain (k small) is a loop of elementwise products, in float32.
+    Against autograd over `ttt_attention`'s lines this skips, per step, the (T, T) score and probability matrices
+    (scaled, masked, concatenated with the chain's scores, and sliced again in the gradient) and the chain's GQA
+    copies: about 2.5x less time on a CPU. The chain (k small) is a loop of elementwise products, in float32.
     """
 
     @staticmethod
