@@ -3,6 +3,7 @@
     python scripts/profile_train_step.py --verifier tiny-micro --data.source=runs/peers-tiny-micro/docs.jsonl
     python scripts/profile_train_step.py ... --features=offline --feature_cache=runs/peers-tiny-micro/draftheads-cache
     python scripts/profile_train_step.py ... --ops 25          # also torch.profiler's top ops by self CPU time
+    python scripts/profile_train_step.py ... --against aa13174 --rounds 3   # before / after, side by side
 
 Defaults are the peer bench's settings for our trainer (configs/eagle3-tiny.yaml with 8 packed rows of 256 tokens,
 7 TTT steps, fp32, document masks on); any trainer option is passed through to the config. The step is the one
@@ -12,12 +13,22 @@ the cast of the cached tensors), forward (TTT unroll + losses), backward, update
 check), sync (the one host sync per optimizer step). Each phase's CPU time (process time: robust to a loaded
 machine when single-threaded) and wall time are summed over `--steps` steps after `--warmup`, and printed with
 the training tokens per CPU second.
+
+`--against REF` measures the same thing for the code at git commit REF (exported with `git archive` into a
+temporary folder and imported in its place) and for this tree, in alternating runs, `--rounds` of each, and
+prints each round's CPU time per step and the median ratio REF / this tree (the speed-up).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--ops", type=int, default=0, help="print torch.profiler's top N ops of one more step")
+    parser.add_argument("--against", metavar="REF", help="also time git commit REF's code, alternating runs")
+    parser.add_argument("--rounds", type=int, default=2, help="with --against: runs of each side")
+    parser.add_argument("--json", help="write {cpu_ms_per_step, tokens_per_cpu_s, phases} here")
     args, rest = parser.parse_known_args(argv)
+    if args.against:
+        return against(args, rest)
     torch.set_num_threads(args.threads)
     from draftheads.train.loop import all_finite
 
@@ -125,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
               f"   wall {1e3 * phases.wall[name] / args.steps:8.1f} ms/step")
     print(f"  total     cpu {1e3 * cpu / args.steps:8.1f} ms/step: {tokens / cpu:,.0f} tokens per CPU second "
           f"(wall {tokens / wall:,.0f} tokens/s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu_ms_per_step": 1e3 * cpu / args.steps, "tokens_per_cpu_s": tokens / cpu,
+                                               "phases_cpu_s": phases.cpu}))
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
 
@@ -132,6 +151,40 @@ def main(argv: list[str] | None = None) -> int:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             one(batch, _started())
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
+    return 0
+
+
+def against(args, rest: list[str]) -> int:
+    """Alternate runs of this script on REF's code and on this tree; print the rounds and the median speed-up."""
+    tmp = Path(tempfile.mkdtemp(prefix="profile-against-"))
+    try:
+        tree, package = tmp / "tree", tmp / "pkg" / "draftheads"
+        tree.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.against], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        shutil.copytree(tree / "draftheads", package)  # the package's rooms are top-level folders (pyproject.toml)
+        for room in ("data", "eval", "models", "train"):
+            (package / room).symlink_to(tree / room)
+        common = [sys.executable, str(Path(__file__).resolve()), "--steps", str(args.steps), "--warmup",
+                  str(args.warmup), "--threads", str(args.threads), *rest]
+        times: dict[str, list[float]] = {args.against: [], "this tree": []}
+        for r in range(args.rounds):
+            sides = [args.against, "this tree"] if r % 2 == 0 else ["this tree", args.against]
+            for side in sides:
+                out = tmp / f"{side.replace('/', '_')}-{r}.json"
+                env = dict(os.environ)
+                if side == args.against:  # its package first on the path (the script's own folder holds none)
+                    env["PYTHONPATH"] = os.pathsep.join([str(package.parent), env.get("PYTHONPATH", "")])
+                subprocess.run([*common, "--json", str(out)], env=env, check=True, cwd=ROOT,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                times[side].append(json.loads(out.read_text())["cpu_ms_per_step"])
+                print(f"[against] round {r + 1}: {side}: {times[side][-1]:.1f} CPU ms per step", flush=True)
+        ratios = [a / b for a, b in zip(times[args.against], times["this tree"])]
+        print(f"[against] {args.against} / this tree: median {statistics.median(ratios):.2f}x "
+              f"(rounds {' '.join(f'{x:.2f}' for x in ratios)}); CPU ms per step {statistics.median(times[args.against]):.1f}"
+              f" -> {statistics.median(times['this tree']):.1f}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 
