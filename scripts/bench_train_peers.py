@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_peers as peers  # noqa: E402  (the peer bench's rows, feature dumps and trainer commands)
+import bench_peers as peers  # this script's folder is on the path: the peer bench's rows, dumps and trainer commands
 
 
 def our_rates(run_dir: Path) -> tuple[float, float]:

@@ -142,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  total     cpu {1e3 * cpu / args.steps:8.1f} ms/step: {tokens / cpu:,.0f} tokens per CPU second "
           f"(wall {tokens / wall:,.0f} tokens/s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu_ms_per_step": 1e3 * cpu / args.steps, "tokens_per_cpu_s": tokens / cpu,
-                                               "phases_cpu_s": phases.cpu}))
+        Path(args.json).write_text(json.dumps({"cpu_ms_per_step": 1e3 * cpu / args.steps,
+                                               "tokens_per_cpu_s": tokens / cpu, "phases_cpu_s": phases.cpu}))
     if args.ops:
         from torch.profiler import ProfilerActivity, profile
 
@@ -180,9 +180,9 @@ def against(args, rest: list[str]) -> int:
                 times[side].append(json.loads(out.read_text())["cpu_ms_per_step"])
                 print(f"[against] round {r + 1}: {side}: {times[side][-1]:.1f} CPU ms per step", flush=True)
         ratios = [a / b for a, b in zip(times[args.against], times["this tree"])]
+        before, after = statistics.median(times[args.against]), statistics.median(times["this tree"])
         print(f"[against] {args.against} / this tree: median {statistics.median(ratios):.2f}x "
-              f"(rounds {' '.join(f'{x:.2f}' for x in ratios)}); CPU ms per step {statistics.median(times[args.against]):.1f}"
-              f" -> {statistics.median(times['this tree']):.1f}")
+              f"(rounds {' '.join(f'{x:.2f}' for x in ratios)}); CPU ms per step {before:.1f} -> {after:.1f}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
