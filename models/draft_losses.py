@@ -79,6 +79,44 @@ def token_loss(kind: str, draft_logits: torch.Tensor, target_logp: torch.Tensor,
     return loss, alpha.detach()
 
 
+def soft_cross_entropy(draft_logits: torch.Tensor, target_p: torch.Tensor,
+                       target_mass: torch.Tensor | None = None) -> torch.Tensor:
+    """forward_kl's per-position loss, -sum_v p_v log q_v (...), from drafter logits and the verifier's
+    probabilities p (..., V): `token_loss("forward_kl", logits, log p)` without the acceptance alpha, in one pass
+    each way. log q = logits - logsumexp(logits), so the loss is logsumexp * sum(p) - sum(p * logits) and its
+    gradient (softmax(logits) * sum(p) - p) * g; `target_mass` is sum_v p_v (...) when the caller has it (a
+    trainer slicing one target tensor for several steps computes it once). Float32 whatever the logits' dtype."""
+    if target_mass is None:
+        target_mass = target_p.float().sum(-1)
+    return _SoftCrossEntropy.apply(draft_logits, target_p, target_mass)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Autograd over log_softmax and the product keeps log q, recomputes exp(log q) in the gradient and adds the
+    product's own backward; here softmax(logits) is kept from the forward and the gradient is one expression."""
+
+    @staticmethod
+    def forward(ctx, logits, target_p, target_mass):
+        x = logits.float()
+        top = x.amax(-1, keepdim=True)
+        q = (x - top).exp_()
+        total = q.sum(-1, keepdim=True)
+        lse = (total.log() + top).squeeze(-1)
+        q.div_(total)  # softmax(logits)
+        p = target_p.float()
+        ctx.save_for_backward(q, p, target_mass)
+        ctx.logits_dtype = logits.dtype
+        return lse * target_mass - (p * x).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, p, mass = ctx.saved_tensors
+        grad = grad.float()[..., None]
+        d_logits = q * (grad * mass[..., None])
+        d_logits -= p * grad
+        return d_logits.to(ctx.logits_dtype), None, None
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` where mask is true; 0 when nothing is masked in."""
     mask = mask.to(values.dtype)

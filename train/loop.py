@@ -87,6 +87,7 @@ class TrainLoop:
         self._count = 0
         self._consecutive_bad = 0
         self._last_log = time.perf_counter()
+        self._last_cpu = time.process_time()
         self._tokens = torch.zeros((), device=accelerator.device)
         self.history: list[dict] = []
         self._bar = None
@@ -186,14 +187,18 @@ class TrainLoop:
         names = sorted(self._sums)
         means = torch.stack([self._sums[k] for k in names]) / self._count
         means = self.accelerator.reduce(means, reduction="mean")
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
+        local = self._tokens.item()  # sync point, once per log interval
         tokens = self.accelerator.reduce(self._tokens.clone(), reduction="sum")
-        values = dict(zip((f"train/{k}" for k in names), means.tolist()))  # sync point, once per log interval
+        values = dict(zip((f"train/{k}" for k in names), means.tolist()))
         values["train/lr"] = self.scheduler.get_last_lr()[0]
         values["train/bad_steps"] = self.state.bad_steps
         if tokens.item() > 0:
             values["train/tokens_per_s"] = tokens.item() / max(now - self._last_log, 1e-9)
-        self._sums, self._count, self._last_log = {}, 0, now
+            # this process's tokens per second of its CPU time (all its threads): a rate that a loaded machine
+            # bends far less than the wall clock, for comparing trainers run one thread each
+            values["train/tokens_per_cpu_s"] = local / max(cpu - self._last_cpu, 1e-9)
+        self._sums, self._count, self._last_log, self._last_cpu = {}, 0, now, cpu
         self._tokens.zero_()
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{values['train/loss']:.4f}")

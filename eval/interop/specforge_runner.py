@@ -18,7 +18,7 @@ changed, three things are replaced at run time, each because its path assumes a 
 Set in the environment by the bench: SPECFORGE_DEVICE=cpu (gloo, CPU tensors), TORCHDYNAMO_DISABLE=1 (its
 torch.compile'd helpers run eagerly: inductor would compile C++ for minutes on this CPU). In RUN.yaml:
 attention_backend sdpa, fsdp_sharding NO_SHARD, an explicit draft config (its default draft vocabulary is 32000).
-REPORT.json gets {seconds (Trainer.fit), peak_rss_mib, export}.
+REPORT.json gets {seconds (Trainer.fit, wall), cpu_seconds (its process time), peak_rss_mib, export}.
 """
 
 from __future__ import annotations
@@ -78,11 +78,12 @@ def timed_fit(report: dict) -> None:
     original = Trainer.fit
 
     def fit(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return original(self, *args, **kwargs)
         finally:
             report["seconds"] = time.perf_counter() - t0
+            report["cpu_seconds"] = time.process_time() - c0  # every thread of this process
 
     Trainer.fit = fit
 

@@ -13,7 +13,8 @@ accelerator on a path a CPU run takes:
   - `torch.accelerator.synchronize`: the step timer calls it unconditionally; a no-op without an accelerator.
   - `speculators.train.checkpointer.get_current_device`: "cuda:0" without an accelerator; here "cpu".
 Then it times `Trainer.run_training` (the loop, not the imports and set-up) and counts the tokens the loader
-hands it (the rows' lengths), and writes {seconds, tokens, peak_rss_mib, steps} to REPORT.json.
+hands it (the rows' lengths), and writes {seconds (wall), cpu_seconds (process time), tokens, peak_rss_mib, steps}
+to REPORT.json.
 Flags the bench passes (scripts/bench_peers.py): `--draft-attn-impl sdpa --loss-implementation eager
 --num-workers 0 --hidden-states-dtype float32`, single process.
 """
@@ -69,11 +70,12 @@ def timed_training(report: dict) -> None:
                 return getattr(loader, name)
 
         self.train_loader = Counting(loader)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return original(self, *args, **kwargs)
         finally:
             report["seconds"] = time.perf_counter() - t0
+            report["cpu_seconds"] = time.process_time() - c0  # every thread of this process
 
     trainer.Trainer.run_training = run_training
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftheads.data.documents import causal_document_mask, is_packed, same_document
-from draftheads.models.draft_losses import masked_mean, step_weights, token_loss
+from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, step_weights, token_loss
 from draftheads.models.eagle.config import EagleConfig, EagleError
 from draftheads.models.eagle.layer import (
     OWN_LAYER_FAMILIES,
@@ -440,6 +440,11 @@ class Eagle3Drafter(EagleDrafter):
         outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids)
         with torch.no_grad():
             target_logp, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
+            # forward_kl weighted without the measured acceptance needs only p: exp'd once for every step
+            fused = self.cfg.loss == "forward_kl" and self.cfg.step_weights != "reach"
+            if fused:
+                target_p = target_logp.exp()  # (B, T, Vd)
+                target_mass = target_p.sum(-1)
         K = len(outs)
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
         valid = torch.zeros_like(correct)
@@ -459,10 +464,14 @@ class Eagle3Drafter(EagleDrafter):
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
                 kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
                 trained = trained & kept[:, :n]
-            per_position, alpha = token_loss(self.cfg.loss, logits, target_logp[:, 1 + k:T - 1],
-                                             self.cfg.lk_eta)
+            if fused:
+                per_position = soft_cross_entropy(logits, target_p[:, 1 + k:T - 1], target_mass[:, 1 + k:T - 1])
+                step_alpha.append(zero)  # unread: the step weights are fixed
+            else:
+                per_position, alpha = token_loss(self.cfg.loss, logits, target_logp[:, 1 + k:T - 1],
+                                                 self.cfg.lk_eta)
+                step_alpha.append(masked_mean(alpha, trained))
             step_losses.append(masked_mean(per_position, trained))
-            step_alpha.append(masked_mean(alpha, trained))
             with torch.no_grad():
                 correct[k, :, :n] = self.to_target_ids(logits.argmax(-1)) == target_ids[:, 1 + k:T - 1]
                 valid[k, :, :n] = scored

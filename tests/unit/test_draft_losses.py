@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from draftheads.models.draft_losses import STEP_WEIGHTS, TOKEN_LOSSES, acceptance, masked_mean, step_weights, token_loss
+from draftheads.models.draft_losses import (STEP_WEIGHTS, TOKEN_LOSSES, acceptance, masked_mean, soft_cross_entropy,
+                                           step_weights, token_loss)
 from draftheads.models.eagle import EagleConfig, EagleError, build_drafter
 from draftheads.models.verifier import Verifier
 
@@ -149,3 +150,20 @@ def test_loss_config_errors():
         EagleConfig(lk_eta=-1)
     with pytest.raises(EagleError, match="EAGLE-3 option"):
         EagleConfig(version=1, parallel=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_cross_entropy_is_forward_kl_in_value_and_gradient(dtype):
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5, 11, generator=g) * 3).to(dtype)
+    target_logp = torch.log_softmax(torch.randn(3, 5, 11, generator=g) * 3, -1)
+    fast_in, ref_in = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    fast = soft_cross_entropy(fast_in, target_logp.exp())
+    ref, _ = token_loss("forward_kl", ref_in, target_logp)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    weights = torch.rand(3, 5, generator=g)
+    (fast * weights).sum().backward()
+    (ref * weights).sum().backward()
+    assert fast_in.grad.dtype == dtype
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(fast_in.grad, ref_in.grad, **tol)
