@@ -472,7 +472,7 @@ def write_docs(path: Path, summary: dict, text: str) -> None:
     """Replace this verifier's section of the page (or add it)."""
     marker = f"<!-- bench_peers {summary['verifier']} -->"
     section = (f"{marker}\n### {summary['verifier']}\n\n{summary['rows']} rows (documents of at most "
-               f"{summary['seq_len']} tokens), {summary['tokens']} tokens, {summary['epochs']} epochs, "
+               f"{summary['seq_len']} tokens), {summary['tokens']} tokens, {summary['epochs']} epoch{'s' * (summary['epochs'] != 1)}, "
                f"{summary['batch']} rows per optimizer step, seed {summary['seed']}; layer ids {summary['layer_ids']}, "
                f"draft vocabulary "
                f"{summary['draft_vocab_size']}; {summary['prompts']} HumanEval prompts, {summary['max_new_tokens']} "
