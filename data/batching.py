@@ -12,13 +12,20 @@ them into (B, T) LongTensors.
   weights that prediction by `loss_mask[t + k]`. Padding is 0 in `attention_mask` and `loss_mask`.
 - Every text document ends in EOS (a target: the model learns where files end).
 - Packing (`data.pack`, the default) also appends EOS to each conversation (not a target: the template has
-  already ended the turn; it only separates documents), concatenates them in the seed's order and cuts the
-  stream into `seq_len` rows; only the last row is padded. With `data.document_mask` (the default) no token
-  attends across a document boundary: `position_ids` restart at 0 at every document (and at the first token of
-  a row, where a document cut by the previous row's end continues as a document of its own), and the verifier's
-  forward, the drafters' attention and their targets follow them (data/documents.py: the mask and the exact
-  target rule), so a packed document is seen as a server sees that prompt alone. `data.document_mask=false`
-  numbers every row 0..T-1: documents attend across the EOS between them, as in most pretraining code.
+  already ended the turn; it only separates documents) and lays several documents in each row of `seq_len`, by
+  `data.packing`:
+  - `best_fit` (the default): whole documents, best fit decreasing (each document, longest first, goes into the
+    open row it fills most tightly), so no document that fits in a row is split; one longer than `seq_len` is cut
+    into `seq_len` pieces, each a document of its own. The room left in a row is padding (on documents of mixed
+    lengths a few percent of the positions; `pack_stats` says how much).
+  - `stream`: documents end to end in the seed's order, cut into rows of `seq_len` wherever the row ends; only the
+    last row is padded, but a document crossing a row's end continues in the next row as a document of its own,
+    without its beginning.
+  With `data.document_mask` (the default) no token attends across a document boundary: `position_ids` restart at
+  0 at every document (and at the first token of a row), and the verifier's forward, the drafters' attention and
+  their targets follow them (data/documents.py: the mask and the exact target rule), so a packed document is seen
+  as a server sees that prompt alone. `data.document_mask=false` numbers every row 0..T-1: documents attend across
+  the EOS between them, as in most pretraining code.
 - Padding (`data.pack=false`) keeps one document per row, right-padded (position_ids 0..T-1); longer ones are
   truncated and counted (a `DataWarning`), or raise with `data.strict`. Rows whose targets were all cut off are
   dropped.
@@ -30,6 +37,8 @@ cache. Tokenising is quick (about 0.5M tokens/s per process on a busy CPU core h
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import warnings
 
 import datasets
@@ -133,13 +142,17 @@ def _fixed_rows(input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np
     return datasets.Dataset(datasets.table.InMemoryTable(pa.table(columns)))
 
 
-def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int, document_mask: bool = True) -> datasets.Dataset:
-    """Concatenate all documents (each already ends in EOS) and cut into rows of seq_len; pad only the last.
+def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int, document_mask: bool = True,
+         packing: str = "best_fit") -> datasets.Dataset:
+    """Documents (each already ending in EOS) -> rows of seq_len, by `packing` (the module docstring):
+    `best_fit` places whole documents (`best_fit_rows`), `stream` concatenates them and cuts the stream into rows.
 
     document_mask: position_ids restart at 0 at every document (and at a row's first token; data/documents.py);
     else 0..T-1 in every row (documents attend across the EOS between them)."""
     ids, offsets = _ragged(tokens, "input_ids")
     mask, _ = _ragged(tokens, "loss_mask")
+    if packing == "best_fit":
+        return _best_fit(ids, mask, offsets, seq_len, pad_id, document_mask)
     n = len(ids)
     rows = -(-n // seq_len)
     pad = rows * seq_len - n
@@ -148,6 +161,71 @@ def pack(tokens: datasets.Dataset, seq_len: int, pad_id: int, document_mask: boo
     mask = np.concatenate([mask, np.zeros(pad, mask.dtype)]).reshape(rows, seq_len)
     positions = packed_positions(offsets[:-1], n, seq_len).reshape(rows, seq_len) if document_mask else None
     return _fixed_rows(ids, attn, mask, positions)
+
+
+def best_fit_rows(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+    """Best fit decreasing: pieces of the given lengths (each <= seq_len) -> rows, each a list of piece indices in
+    the order they are laid out, the rows ordered by their lowest piece index (so the rows keep the pieces' order
+    as far as packing allows). Longest piece first (ties: lower index first), into the open row with the least room
+    that still holds it (ties: the row opened first), else into a new row; O(n log n) for n pieces."""
+    by_room: dict[int, list[int]] = {}  # room left -> heap of the open rows with that room
+    rooms: list[int] = []  # the distinct rooms of open rows, sorted (at most seq_len of them)
+    rows: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-int(lengths[j]), j)):
+        n = int(lengths[i])
+        at = bisect.bisect_left(rooms, n)
+        if at < len(rooms):
+            room = rooms[at]
+            r = heapq.heappop(by_room[room])
+            if not by_room[room]:
+                del by_room[room], rooms[at]
+        else:
+            room, r = seq_len, len(rows)
+            rows.append([])
+        rows[r].append(i)
+        if room - n:
+            if room - n not in by_room:
+                bisect.insort(rooms, room - n)
+            heapq.heappush(by_room.setdefault(room - n, []), r)
+    return sorted(rows, key=min)
+
+
+def _best_fit(ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray, seq_len: int, pad_id: int,
+              document_mask: bool) -> datasets.Dataset:
+    """`best_fit` packing of the flat documents ids[offsets[i]:offsets[i+1]]: documents longer than seq_len are
+    cut into seq_len pieces first (each then a document of its own), then `best_fit_rows` places the pieces."""
+    starts, ends = [], []
+    for start, end in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        for piece in range(start, end, seq_len):
+            starts.append(piece)
+            ends.append(min(piece + seq_len, end))
+    starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+    rows = best_fit_rows(ends - starts, seq_len)
+    out_ids = np.full((len(rows), seq_len), pad_id, dtype=ids.dtype)  # (R, T)
+    out_attn = np.zeros((len(rows), seq_len), dtype=np.int8)
+    out_mask = np.zeros((len(rows), seq_len), dtype=mask.dtype)
+    positions = np.broadcast_to(np.arange(seq_len, dtype=np.int32), (len(rows), seq_len)).copy()
+    for r, pieces in enumerate(rows):
+        at = 0
+        for i in pieces:
+            n = int(ends[i] - starts[i])
+            out_ids[r, at: at + n] = ids[starts[i]: ends[i]]
+            out_mask[r, at: at + n] = mask[starts[i]: ends[i]]
+            positions[r, at: at + n] = np.arange(n, dtype=np.int32)
+            at += n
+        out_attn[r, :at] = 1
+        positions[r, at:] = np.arange(seq_len - at, dtype=np.int32)  # the padding: a document of its own
+    return _fixed_rows(out_ids, out_attn, out_mask, positions if document_mask else None)
+
+
+def pack_stats(rows: datasets.Dataset) -> dict[str, float]:
+    """Packed rows at a glance: {rows, tokens (non-padding), padding (its share of all positions),
+    documents_per_row (read from position_ids restarts; 1.0 where data.document_mask=false numbers rows 0..T-1)}."""
+    attn = np.asarray(rows.with_format("numpy")["attention_mask"])
+    positions = np.asarray(rows.with_format("numpy")["position_ids"])
+    starts = (positions[:, 1:] != positions[:, :-1] + 1) & (attn[:, 1:] > 0)
+    return {"rows": len(attn), "tokens": int(attn.sum()), "padding": float(1 - attn.mean()) if attn.size else 0.0,
+            "documents_per_row": float(1 + starts.sum() / len(attn)) if len(attn) else 0.0}
 
 
 def pad(tokens: datasets.Dataset, seq_len: int, pad_id: int, label: str, strict: bool = False) -> datasets.Dataset:
@@ -193,7 +271,7 @@ def to_token_rows(rows: datasets.Dataset, tokenizer, cfg: DataConfig, template: 
         if tokenizer.eos_token_id is None:
             raise DataError("data.pack=true separates documents with EOS, but the tokenizer has no eos_token; "
                             "set data.pack=false or give the tokenizer an eos_token")
-        return pack(tokens, cfg.seq_len, pad_id_of(tokenizer), cfg.document_mask)
+        return pack(tokens, cfg.seq_len, pad_id_of(tokenizer), cfg.document_mask, cfg.packing)
     return pad(tokens, cfg.seq_len, pad_id_of(tokenizer), label, cfg.strict)
 
 

@@ -31,6 +31,11 @@ class DataConfig:
     """Tokens per training sequence (packed rows are cut to this length)."""
     pack: bool = True
     """Pack several documents into each sequence (no padding); off pads each row to seq_len."""
+    packing: Literal["best_fit", "stream"] = "best_fit"
+    """With pack: `best_fit` lays whole documents in rows (best fit decreasing; one longer than seq_len is cut into
+    seq_len pieces), so no document that fits in a row is split, at the cost of some padding; `stream` cuts the
+    concatenated documents into rows wherever a row ends (no padding, but a document crossing a row's end continues
+    in the next row without its beginning). data/batching.py says more."""
     document_mask: bool = True
     """With pack: no token attends across a document boundary and positions restart at 0 per document, in the
     verifier's features and the drafter's attention, and no prediction is trained on another document's token
@@ -55,5 +60,7 @@ class DataConfig:
             raise ValueError(f"data.max_rows={self.max_rows}: expected a positive count or null")
         if self.num_proc < 1:
             raise ValueError(f"data.num_proc={self.num_proc}: expected a positive integer")
+        if self.packing not in ("best_fit", "stream"):
+            raise ValueError(f"data.packing={self.packing!r}: expected 'best_fit' or 'stream'")
         if self.eval_rows < 0:
             raise ValueError(f"data.eval_rows={self.eval_rows}: expected >= 0")

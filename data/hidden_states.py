@@ -57,8 +57,10 @@ FEATURE_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F
 TOKEN_DTYPES = {"input_ids": torch.int32, "attention_mask": torch.int8, "loss_mask": torch.int8,
                 "position_ids": torch.int32}
 #: Data settings that change which rows are built (num_proc only changes how fast).
-DATA_KEYS = ("source", "format", "seq_len", "pack", "document_mask", "max_rows", "eval_rows", "strict",
+DATA_KEYS = ("source", "format", "seq_len", "pack", "packing", "document_mask", "max_rows", "eval_rows", "strict",
              "chat_template")
+#: The value a data setting had before a cache recorded it (caches written before data.packing existed streamed).
+DATA_KEYS_ADDED = {"packing": "stream"}
 
 
 class CacheError(ValueError):
@@ -190,10 +192,11 @@ def check_data(index: dict, cfg, folder: str | os.PathLike) -> None:
     for key, value in mine.items():
         if key == "source" and by_content:
             continue
-        if index["data"].get(key) != value:
+        cached = index["data"].get(key, DATA_KEYS_ADDED.get(key))
+        if cached != value:
             name = "train.seed" if key == "seed" else f"data.{key}"
             raise CacheError(
-                f"{Path(folder) / 'index.json'}: the cache holds rows built with {name}={index['data'].get(key)!r}, "
+                f"{Path(folder) / 'index.json'}: the cache holds rows built with {name}={cached!r}, "
                 f"this run has {name}={value!r}; set it to the cache's value or dump again with this config")
 
 

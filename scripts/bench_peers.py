@@ -4,15 +4,19 @@ our engine, and one table says what each delivers. `bash scripts/bench_peers.sh`
 runs this; run by hand:
 
     python scripts/bench_peers.py --verifier tiny-micro --out runs/peers-tiny-micro [--peers speculators specforge]
-        [--rows 96] [--seq-len 256] [--epochs 2] [--prompts 16] [--max-new-tokens 64] [-k 3] [--docs docs/peers.md]
+        [--rows 400] [--seq-len 256] [--epochs 1] [--batch 4] [--seed 0] [--prompts 16] [--max-new-tokens 64] [-k 3]
+        [--variant LABEL=FLAGS] [--reuse] [--docs docs/peers.md]
 
 In order:
-  1. our rows: --rows stdlib `drafter` files, each cut to its first --seq-len tokens and written to OUT/docs.jsonl,
-     then tokenised by our data pipeline (one document per row, the loss mask ours); every trainer gets exactly
-     these tokens, --epochs times (ours packs the documents into rows of --seq-len);
+  1. our rows: --rows documents of about --seq-len tokens, pieces of the stdlib `drafter` files in a fixed shuffle
+     (`write_docs_jsonl`), written to OUT/docs.jsonl, then tokenised by our data pipeline (one document per row,
+     the loss mask ours); every trainer gets exactly these tokens, --epochs times (ours packs the documents into
+     rows of --seq-len);
   2. our drafter: `train/eagle.py` with configs/eagle3-tiny.yaml's settings (the verifier's layer ids, draft
      vocabulary, 7 TTT steps, decay 0.8, AdamW), fp32, warm-up 5% then cosine to 0, features online (the verifier
-     inside each step) and, a second run, offline from our own feature cache;
+     inside each step) and, a second run, offline from our own feature cache; each `--variant LABEL=FLAGS` trains
+     one more online run with those config flags added (e.g. `--variant "stream packing=--data.packing=stream"`:
+     the side-by-side of one setting, same rows, steps and seed);
   3. the verifier's features, computed once from those rows, written in each peer's format (speculators:
      `hs_i.safetensors` [T, 4, H] + an Arrow dataset; SpecForge: one `.ckpt` per row) with OUR draft vocabulary map
      (d2t / t2d read back from our export) and our layer ids;
@@ -22,11 +26,16 @@ In order:
      `draftheads serve-check` on every folder: vLLM's tau and per-position acceptance, and our engine's counts
      beside vLLM's;
   6. the table on stdout, in OUT/peers.json, and in --docs.
+
+--reuse keeps a trainer's result from an earlier run into the same OUT (OUT/results/NAME.json) when its command,
+the documents and the verifier are the same, so a rerun retrains only what changed (speculators' run is the long
+one); every folder is served again either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -39,11 +48,42 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ("speculators", "specforge")
-LR, WARMUP, TTT, DECAY, BATCH = 6e-3, 0.05, 7, 0.8, 8
+LR, WARMUP, TTT, DECAY = 6e-3, 0.05, 7, 0.8
 
 
 def say(*args):
     print("[bench_peers]", *args, file=sys.stderr, flush=True)
+
+
+def run_key(args, out: Path, cmd: list) -> str:
+    """What decides a trainer's result: its command, the documents it reads and the verifier's files."""
+    h = hashlib.sha256(json.dumps([str(c) for c in cmd]).encode())
+    h.update((out / "docs.jsonl").read_bytes())
+    for path in sorted(Path(args.verifier_path).glob("*")):
+        if path.is_file() and path.suffix in (".json", ".safetensors"):
+            h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def reused(args, out: Path, name: str, key: str) -> dict | None:
+    """With --reuse, the result an earlier run recorded for `name` under the same key (and whose folder exists)."""
+    path = out / "results" / f"{name}.json"
+    if not args.reuse or not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    if result.get("key") != key or not Path(result["folder"]).is_dir():
+        return None
+    say(f"{name}: reusing {path} (same command, documents and verifier)")
+    return result
+
+
+def record(out: Path, name: str, key: str, result: dict) -> dict:
+    (out / "results").mkdir(exist_ok=True)
+    result = {**result, "key": key}
+    tmp = out / "results" / f".{name}.json.tmp"
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    tmp.replace(out / "results" / f"{name}.json")
+    return result
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, float]:
@@ -64,27 +104,32 @@ def run(cmd: list[str], log: Path, env: dict | None = None) -> tuple[float, floa
 
 # ---- 1. the rows ---------------------------------------------------------------------------------------------------
 HELDOUT_DOCS = 4
+MIN_PIECE = 32
 """Documents after the training rows in docs.jsonl: our trainer holds a file source's last rows out for its
 held-out evaluation, so the rows it trains on are exactly the others."""
 
 
-def write_docs_jsonl(tokenizer, rows: int, seq_len: int, out: Path) -> Path:
-    """The bench's documents: the first `rows` (less up to BATCH - 1) + HELDOUT_DOCS stdlib `drafter` files, each
-    cut to its first `seq_len` tokens by our pipeline and written back as text, so every trainer reads whole
-    documents of at most about seq_len tokens (ours packs them; the peers take one per row)."""
-    from draftheads.data.batching import build_datasets
-    from draftheads.data.config import DataConfig
+def write_docs_jsonl(tokenizer, rows: int, seq_len: int, batch: int, out: Path) -> Path:
+    """The bench's documents: the stdlib `drafter` files cut into consecutive pieces of seq_len - 2 tokens (a file's
+    last piece kept when it has at least MIN_PIECE tokens), shuffled with a fixed seed; the first `rows` (less up to
+    batch - 1) train and the next HELDOUT_DOCS are held out. Each is written as text, so every trainer reads whole
+    documents of at most about seq_len tokens once our pipeline has added its special tokens and EOS (ours packs
+    them; the peers take one per row). Pieces rather than files' beginnings: those are mostly licence headers and
+    module docstrings, while the drafters are measured on code."""
+    import random
 
-    train, _ = build_datasets(DataConfig(source="stdlib", seq_len=seq_len - 1, pack=False,
-                                         max_rows=rows + HELDOUT_DOCS, eval_rows=0), tokenizer)
-    lines = []
-    for i, row in enumerate(train):
-        n = int(row["attention_mask"].sum())
-        text = tokenizer.decode(row["input_ids"][:n].tolist(), skip_special_tokens=True)
-        lines.append(json.dumps({"text": text, "origin": f"stdlib-doc-{i}"}))
-    # a whole number of optimizer steps of BATCH rows (SpecForge refuses a last, incomplete accumulation)
-    training = len(lines) - HELDOUT_DOCS
-    lines = lines[: training - training % BATCH] + lines[training:]
+    from draftheads.data.stdlib import read_source, stdlib_files
+
+    pieces = []
+    for path in stdlib_files("drafter"):
+        ids = tokenizer(read_source(path), add_special_tokens=False)["input_ids"]
+        pieces += [ids[i: i + seq_len - 2] for i in range(0, len(ids), seq_len - 2)
+                   if len(ids) - i >= min(MIN_PIECE, seq_len - 2)]
+    random.Random(0).shuffle(pieces)
+    training = min(rows, len(pieces) - HELDOUT_DOCS)
+    training -= training % batch  # whole optimizer steps of `batch` rows (SpecForge refuses an incomplete one)
+    lines = [json.dumps({"text": tokenizer.decode(ids), "origin": f"stdlib-piece-{i}"})
+             for i, ids in enumerate(pieces[: training + HELDOUT_DOCS])]
     path = out / "docs.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -161,16 +206,26 @@ def dump_specforge(rows, verifier, layer_ids, d2t, t2d, out: Path) -> None:
 
 
 # ---- 2 and 4. the trainers -----------------------------------------------------------------------------------------
-def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: str) -> dict:
-    steps = max(1, math.ceil(args.epochs * tokens / (BATCH * args.seq_len)))
-    run_dir = out / f"draftheads-{features}"
+def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: str, name: str,
+               label: str = "", flags: tuple[str, ...] = ()) -> dict:
+    steps = max(1, math.ceil(args.epochs * tokens / (args.batch * args.seq_len)))
+    run_dir = out / f"draftheads-{label or features}".replace(" ", "-")
     cmd = [sys.executable, "-m", "draftheads.train.eagle", "--config", str(ROOT / "configs/eagle3-tiny.yaml"),
            f"--verifier={args.verifier}", f"--output_dir={run_dir}", f"--data.source={out / 'docs.jsonl'}",
            f"--data.seq_len={args.seq_len}", f"--data.eval_rows={HELDOUT_DOCS}", f"--train.max_steps={steps}",
-           f"--train.batch_size={BATCH}", f"--train.lr={LR}", f"--train.warmup_steps={max(1, round(WARMUP * steps))}",
+           f"--train.batch_size={args.batch}", f"--train.lr={LR}", f"--train.seed={args.seed}",
+           f"--train.warmup_steps={max(1, round(WARMUP * steps))}",
            "--train.min_lr_ratio=0.0", "--train.mixed_precision=no", "--train.save_every=0", "--train.eval_every=0",
            f"--eagle.layer_ids={json.dumps(layer_ids)}", f"--eagle.draft_vocab_size={vocab}",
-           f"--eagle.ttt_steps={TTT}", f"--eagle.decay={DECAY}", "--wandb.enabled=false", "--train.resume=none"]
+           f"--eagle.ttt_steps={TTT}", f"--eagle.decay={DECAY}", "--wandb.enabled=false", "--train.resume=none",
+           *flags]
+    key = run_key(args, out, cmd + [features])
+    if (result := reused(args, out, name, key)) is not None:
+        return result
+    from draftheads.data.config import DataConfig
+
+    packing = next((f.split("=", 1)[1] for f in reversed(flags) if f.startswith("--data.packing=")),
+                   DataConfig.packing)
     if features == "offline":
         cache = out / "draftheads-cache"  # a rerun skips the shards already written
         dump = [sys.executable, "-m", "draftheads.train.dump_features", "--dtype", "float32", "--out", str(cache),
@@ -181,16 +236,19 @@ def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: st
     seconds, rss = run(cmd, out / f"draftheads-{features}.log")
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [m["train/tokens_per_s"] for m in metrics if "train/tokens_per_s" in m]
-    return {"folder": str(run_dir / "drafter"), "steps": steps, "wall_s": seconds, "peak_rss_mib": rss,
-            "tokens_per_s": sum(rates) / len(rates) if rates else None,
-            "how": f"features {features}, {steps} steps of {BATCH} x {args.seq_len} packed tokens"}
+    extra = f", {' '.join(flags)}" if flags else ""
+    return record(out, name, key, {
+        "folder": str(run_dir / "drafter"), "steps": steps, "wall_s": seconds, "peak_rss_mib": rss,
+        "tokens_per_s": sum(rates) / len(rates) if rates else None,
+        "how": f"features {features}, {steps} steps of {args.batch} x {args.seq_len} tokens packed "
+               f"({packing.replace('_', '-')}){extra}"})
 
 
-def train_speculators(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int) -> dict:
+def train_speculators(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, name: str) -> dict:
     python = ROOT / ".venv-speculators/bin/python"
     save = out / "speculators-run"
     report = out / "speculators-report.json"
-    per_step = BATCH * args.seq_len
+    per_step = args.batch * args.seq_len
     flags = ["--verifier-name-or-path", str(args.verifier_path), "--data-path", str(data),
              "--speculator-type", "eagle3", "--num-layers", "1", "--draft-arch", "llama",
              "--target-layer-ids", *map(str, layer_ids), "--draft-vocab-size", str(vocab),
@@ -203,19 +261,22 @@ def train_speculators(args, out: Path, data: Path, layer_ids, vocab: int, tokens
              "--ttt-step-loss-decay", str(DECAY), "--optimizer", "adamw", "--lr", str(LR), "--weight-decay", "0.0",
              "--scheduler-type", "cosine", "--scheduler-warmup-ratio", str(WARMUP), "--epochs", str(args.epochs),
              "--save-path", str(save), "--no-resume-from-checkpoint",
-             "--log-dir", str(out / "speculators-logs"), "--seed", "0"]
-    seconds, rss = run([str(python), str(ROOT / "eval/interop/speculators_runner.py"), str(report), "--", *flags],
-                       out / "speculators.log", env={"CUDA_VISIBLE_DEVICES": ""})
+             "--log-dir", str(out / "speculators-logs"), "--seed", str(args.seed)]
+    cmd = [str(python), str(ROOT / "eval/interop/speculators_runner.py"), str(report), "--", *flags]
+    key = run_key(args, out, cmd)
+    if (result := reused(args, out, name, key)) is not None:
+        return result
+    seconds, rss = run(cmd, out / "speculators.log", env={"CUDA_VISIBLE_DEVICES": ""})
     rep = json.loads(report.read_text())
     last = sorted((p for p in save.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))[-1]
-    return {"folder": str(last), "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
-            "tokens_per_s": rep["tokens"] / rep["seconds"] if rep.get("seconds") else None,
-            "tokens": rep["tokens"],
-            "how": f"features offline (hs_i.safetensors), rows packed into {per_step}-token sequences with document "
-                   "masks, eager loss, sdpa"}
+    return record(out, name, key, {
+        "folder": str(last), "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
+        "tokens_per_s": rep["tokens"] / rep["seconds"] if rep.get("seconds") else None, "tokens": rep["tokens"],
+        "how": f"features offline (hs_i.safetensors), rows packed into {per_step}-token sequences with document "
+               "masks, eager loss, sdpa"})
 
 
-def train_specforge(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, verifier) -> dict:
+def train_specforge(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, verifier, name: str) -> dict:
     import yaml
 
     from draftheads.models.eagle import EagleConfig
@@ -234,23 +295,27 @@ def train_specforge(args, out: Path, data: Path, layer_ids, vocab: int, tokens: 
                          "vocab_mapping_path": str(data / "vocab_mapping.pt"), "aux_hidden_state_layer_ids":
                          [i - 1 for i in layer_ids], "torch_dtype": "float32"},
                "data": {"hidden_states_path": str(data / "features"), "max_length": args.seq_len},
-               "training": {"num_epochs": args.epochs, "batch_size": 1, "accumulation_steps": BATCH,
+               "training": {"num_epochs": args.epochs, "batch_size": 1, "accumulation_steps": args.batch,
                             "fsdp_sharding": "NO_SHARD", "learning_rate": LR, "warmup_ratio": WARMUP,
                             "lr_scheduler": "cosine", "ttt_length": TTT, "attention_backend": "sdpa",
-                            "log_interval": 10, "seed": 0},
+                            "log_interval": 10, "seed": args.seed},
                "output_dir": str(run_dir)}
     (out / "specforge-run.yaml").write_text(yaml.safe_dump(run_cfg))
     export = out / "specforge-export"
-    seconds, rss = run([str(python), str(ROOT / "eval/interop/specforge_runner.py"), str(report),
-                        str(out / "specforge-run.yaml"), str(out / "specforge-draft.json"), str(export)],
-                       out / "specforge.log", env={"SPECFORGE_DEVICE": "cpu", "TORCHDYNAMO_DISABLE": "1",
-                                                   "CUDA_VISIBLE_DEVICES": ""})
+    cmd = [str(python), str(ROOT / "eval/interop/specforge_runner.py"), str(report), str(out / "specforge-run.yaml"),
+           str(out / "specforge-draft.json"), str(export)]
+    key = run_key(args, out, cmd + [json.dumps(run_cfg), json.dumps(draft)])
+    if (result := reused(args, out, name, key)) is not None:
+        return result
+    seconds, rss = run(cmd, out / "specforge.log", env={"SPECFORGE_DEVICE": "cpu", "TORCHDYNAMO_DISABLE": "1",
+                                                       "CUDA_VISIBLE_DEVICES": ""})
     rep = json.loads(report.read_text())
     trained = args.epochs * tokens  # every row whole (max_length = --seq-len), once per epoch
-    return {"folder": str(export), "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
-            "tokens_per_s": trained / rep["seconds"] if rep.get("seconds") else None, "tokens": trained,
-            "how": f"features offline (.ckpt), one row per micro-batch (padded), {BATCH} accumulated per step, "
-                   "eager KL loss, sdpa, NO_SHARD, gloo"}
+    return record(out, name, key, {
+        "folder": str(export), "wall_s": seconds, "peak_rss_mib": rep.get("peak_rss_mib", rss),
+        "tokens_per_s": trained / rep["seconds"] if rep.get("seconds") else None, "tokens": trained,
+        "how": f"features offline (.ckpt), one row per micro-batch (padded), {args.batch} accumulated per step, "
+               "eager KL loss, sdpa, NO_SHARD, gloo"})
 
 
 # ---- 5. serve and measure ------------------------------------------------------------------------------------------
@@ -313,9 +378,16 @@ def main(argv=None) -> int:
     p.add_argument("--verifier", default="tiny-micro")
     p.add_argument("--out", required=True)
     p.add_argument("--peers", nargs="*", default=list(PEERS), choices=PEERS)
-    p.add_argument("--rows", type=int, default=96)
+    p.add_argument("--rows", type=int, default=400)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch", type=int, default=4, help="rows (documents) per optimizer step, for every trainer")
+    p.add_argument("--seed", type=int, default=0, help="every trainer's seed")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                   help="one more run of ours (features online) with these config flags added, e.g. --variant "
+                        "'stream packing=--data.packing=stream' (FLAGS split at spaces); repeatable")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep a trainer's result from an earlier run into --out when nothing it depends on changed")
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=3)
@@ -334,7 +406,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)
     layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
     vocab = min(2048, verifier.vocab_size // 2)
-    rows = our_rows(tokenizer, write_docs_jsonl(tokenizer, args.rows, args.seq_len, out), args.rows, args.seq_len)
+    rows = our_rows(tokenizer, write_docs_jsonl(tokenizer, args.rows, args.seq_len, args.batch, out), args.rows,
+                    args.seq_len)
     args.rows = len(rows)  # the stdlib split may hold fewer usable files than asked for
     tokens = sum(len(r["input_ids"]) for r in rows)
     say(f"{len(rows)} rows, {tokens} tokens ({args.epochs} epochs: {args.epochs * tokens}); layer ids {layer_ids}, "
@@ -342,10 +415,20 @@ def main(argv=None) -> int:
 
     results = {}
     say("draftheads, features online")
-    results["draftheads (online)"] = train_ours(args, out, layer_ids, vocab, tokens, "online")
+    results["draftheads (online)"] = train_ours(args, out, layer_ids, vocab, tokens, "online", "draftheads-online")
     if not args.no_offline:
         say("draftheads, features offline")
-        results["draftheads (offline)"] = train_ours(args, out, layer_ids, vocab, tokens, "offline")
+        results["draftheads (offline)"] = train_ours(args, out, layer_ids, vocab, tokens, "offline",
+                                                     "draftheads-offline")
+    for variant in args.variant:
+        label, _, flags = variant.partition("=")
+        if not label or not flags.startswith("--"):
+            raise SystemExit(f"[bench_peers] --variant {variant!r}: expected LABEL=FLAGS, e.g. "
+                             "'stream packing=--data.packing=stream'")
+        say(f"draftheads, {label}")
+        results[f"draftheads, {label}"] = train_ours(args, out, layer_ids, vocab, tokens, "online",
+                                                     "draftheads-" + label.replace(" ", "-"), label,
+                                                     tuple(flags.split()))
     from safetensors.torch import load_file
 
     ours = load_file(Path(results["draftheads (online)"]["folder"]) / "model.safetensors")
@@ -359,9 +442,9 @@ def main(argv=None) -> int:
             (data / ".done").write_text(f"{time.perf_counter() - t0:.1f}")
         say(f"{peer} trains")
         if peer == "speculators":
-            r = train_speculators(args, out, data, layer_ids, vocab, tokens)
+            r = train_speculators(args, out, data, layer_ids, vocab, tokens, peer)
         else:
-            r = train_specforge(args, out, data, layer_ids, vocab, tokens, verifier)
+            r = train_specforge(args, out, data, layer_ids, vocab, tokens, verifier, peer)
         r["raw_folder"] = r["folder"]
         r["folder"], r["fixes"], r["notes"] = import_peer(verifier, r["raw_folder"], out / f"{peer}-fixed")
         results[f"{peer} {'0.9.0' if peer == 'speculators' else '0.2.0'}"] = r
@@ -376,6 +459,7 @@ def main(argv=None) -> int:
     text = table(results, args.k)
     print(text)
     summary = {"verifier": args.verifier, "rows": len(rows), "tokens": tokens, "epochs": args.epochs,
+               "batch": args.batch, "seed": args.seed, "seq_len": args.seq_len,
                "layer_ids": layer_ids, "draft_vocab_size": vocab, "k": args.k, "prompts": args.prompts,
                "max_new_tokens": args.max_new_tokens, "results": results}
     (out / "peers.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -387,8 +471,10 @@ def main(argv=None) -> int:
 def write_docs(path: Path, summary: dict, text: str) -> None:
     """Replace this verifier's section of the page (or add it)."""
     marker = f"<!-- bench_peers {summary['verifier']} -->"
-    section = (f"{marker}\n### {summary['verifier']}\n\n{summary['rows']} rows, {summary['tokens']} tokens, "
-               f"{summary['epochs']} epochs; layer ids {summary['layer_ids']}, draft vocabulary "
+    section = (f"{marker}\n### {summary['verifier']}\n\n{summary['rows']} rows (documents of at most "
+               f"{summary['seq_len']} tokens), {summary['tokens']} tokens, {summary['epochs']} epoch{'s' * (summary['epochs'] != 1)}, "
+               f"{summary['batch']} rows per optimizer step, seed {summary['seed']}; layer ids {summary['layer_ids']}, "
+               f"draft vocabulary "
                f"{summary['draft_vocab_size']}; {summary['prompts']} HumanEval prompts, {summary['max_new_tokens']} "
                f"new tokens, k = {summary['k']}, T = 0.\n\n{text}\n{marker}\n")
     page = path.read_text() if path.exists() else ""

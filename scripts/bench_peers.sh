@@ -4,9 +4,9 @@
 # docs/peers.md (what the bench does and what it matches: scripts/bench_peers.py's docstring and docs/peers.md).
 #   bash scripts/bench_peers.sh                          # tiny-micro, then tiny-code (built on first use)
 #   bash scripts/bench_peers.sh tiny-micro /path/to/verifier
-#   BENCH_PEERS_ARGS="--rows 48 --epochs 1" bash scripts/bench_peers.sh tiny-micro    # a quicker run
-# Opt-in, not part of the test suite: about 25 minutes for tiny-micro and 20 for tiny-code (`--rows 48`) on two
-# shared cores.
+#   BENCH_PEERS_ARGS="--seed 1 --variant stream=--data.packing=stream" bash scripts/bench_peers.sh tiny-micro
+# Opt-in, not part of the test suite: about 20 minutes for tiny-micro and 40 for tiny-code on two shared cores (the
+# default budget: 400 documents of ~254 tokens, one epoch, 4 per optimizer step; --rows/--epochs/--batch scale it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # shellcheck disable=SC1091

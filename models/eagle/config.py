@@ -41,6 +41,9 @@ class EagleConfig:
     """EAGLE-3: take the residual after hidden_norm (vLLM option); false as in the EAGLE repo and SpecForge."""
     init_from_verifier: bool = True
     """EAGLE-3: start lm_head from the verifier's rows of the draft vocabulary and norm from its final norm."""
+    freeze_lm_head: bool = False
+    """EAGLE-3: keep lm_head as initialised (the verifier's rows with init_from_verifier) instead of training it, as
+    speculators does."""
     loss: Literal["forward_kl", "reverse_kl", "jsd", "tv", "lk", "lk_hybrid"] = "forward_kl"
     """The token loss against the verifier's distribution (models/draft_losses.py): forward_kl is the soft
     cross-entropy of the EAGLE repo; EAGLE-1 uses it for its token term."""
@@ -96,7 +99,7 @@ class EagleConfig:
             raise EagleError(f"eagle.parallel_keep={list(self.parallel_keep)}: expected [decay, floor], each in (0, 1]")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise EagleError(f"eagle.mask_token_id={self.mask_token_id}: expected a token id >= 0 or null")
-        for key in ("parallel", "fc_norm", "norm_output"):
+        for key in ("parallel", "fc_norm", "norm_output", "freeze_lm_head"):
             if getattr(self, key) and self.version != 3:
                 raise EagleError(f"eagle.{key}=true is an EAGLE-3 option; eagle.version is {self.version}")
 

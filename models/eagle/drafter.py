@@ -369,6 +369,7 @@ class Eagle3Drafter(EagleDrafter):
                     self.norm.weight.copy_(verifier.norm.weight.detach().float().cpu())
                 else:  # the same per-channel scale in the Llama norm's convention (Gemma's is 1 + w)
                     self.norm.weight.copy_(norm_scale(verifier.norm, H))
+        self.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
 
     @property
     def feature_layers(self) -> list[int]:

@@ -25,8 +25,8 @@ def text_file(tmp_path, docs=DOCS):
     return str(path)
 
 
-def test_packing_shapes_and_counts(tmp_path, tok):
-    cfg = DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2)
+def test_packing_shapes_and_counts(tmp_path, tok):  # data.packing=stream (best_fit: tests/unit/test_best_fit_packing)
+    cfg = DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2, packing="stream")
     train, heldout = build_datasets(cfg, tok, seed=0)
     # Every training document, each followed by EOS, laid end to end; only the last row is padded.
     train_docs = DOCS[:-2]
@@ -53,8 +53,8 @@ def test_packing_shapes_and_counts(tmp_path, tok):
                 batch["attention_mask"][r, t - 1]))
             assert int(pos[r, t]) == (0 if starts else int(pos[r, t - 1]) + 1), (r, t)
     # data.document_mask=false: the same rows, numbered 0..T-1 (documents attend across the EOS between them)
-    across, _ = build_datasets(DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2, document_mask=False),
-                               tok, seed=0)
+    across, _ = build_datasets(DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2, document_mask=False,
+                                          packing="stream"), tok, seed=0)
     assert torch.equal(across[:]["input_ids"], train[:]["input_ids"])
     assert (across[:]["position_ids"] == torch.arange(32)).all()
 

@@ -1,0 +1,56 @@
+"""The peer bench's bookkeeping (scripts/bench_peers.py): --reuse keeps a result only while nothing it depends on
+changed, and --docs replaces its verifier's section in place."""
+
+import importlib.util
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts/bench_peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reuse_only_when_command_documents_and_verifier_are_the_same(bench, tmp_path):
+    verifier = tmp_path / "verifier"
+    verifier.mkdir()
+    (verifier / "config.json").write_text("{}")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "docs.jsonl").write_text('{"text": "a"}\n')
+    folder = out / "drafter"
+    folder.mkdir()
+    args = Namespace(verifier_path=str(verifier), reuse=True)
+    key = bench.run_key(args, out, ["train", "--seed=0"])
+    bench.record(out, "ours", key, {"folder": str(folder), "tau": 2.0})
+    assert bench.reused(args, out, "ours", key)["tau"] == 2.0
+    assert bench.reused(Namespace(verifier_path=str(verifier), reuse=False), out, "ours", key) is None
+    assert bench.run_key(args, out, ["train", "--seed=1"]) != key  # another command
+    (out / "docs.jsonl").write_text('{"text": "b"}\n')
+    assert bench.run_key(args, out, ["train", "--seed=0"]) != key  # other documents
+    (out / "docs.jsonl").write_text('{"text": "a"}\n')
+    (verifier / "config.json").write_text('{"x": 1}')
+    assert bench.run_key(args, out, ["train", "--seed=0"]) != key  # another verifier
+    (verifier / "config.json").write_text("{}")
+    folder.rmdir()
+    assert bench.reused(args, out, "ours", key) is None  # its folder is gone
+
+
+def test_docs_section_is_replaced_in_place(bench, tmp_path):
+    page = tmp_path / "peers.md"
+    page.write_text("intro\n\n<!-- bench_peers a -->\nold\n<!-- bench_peers a -->\n\ntail\n")
+    summary = {"verifier": "a", "rows": 8, "seq_len": 256, "tokens": 2000, "epochs": 1, "batch": 4, "seed": 0,
+               "layer_ids": [1, 2, 3], "draft_vocab_size": 512, "prompts": 16, "max_new_tokens": 64, "k": 3}
+    bench.write_docs(page, summary, "| table |")
+    text = page.read_text()
+    assert text.startswith("intro\n\n<!-- bench_peers a -->\n### a\n") and text.endswith("\n\ntail\n")
+    assert "old" not in text and "| table |" in text and "1 epoch," in text
+    bench.write_docs(page, {**summary, "verifier": "b"}, "| other |")
+    assert page.read_text().count("<!-- bench_peers b -->") == 2 and "| table |" in page.read_text()
