@@ -87,8 +87,8 @@ def xdist_scope(nodeid: str) -> str:
 def pytest_xdist_make_scheduler(config, log):
     """`--dist loadgroup` scheduled by `xdist_scope`. Not xdist's own loadgroup: it reads groups from a suffix it
     writes into each nodeid, which pytest 9.2's node ids no longer take (pytest-xdist#1386): every group was silently
-    split across workers. Work units go out in collection order (tests/e2e first, the interop suite before the rest),
-    not largest first, so the long units start early and unit tests fill the end."""
+    split across workers. Work units go out largest first (xdist's order, by number of tests): the groups and the
+    modules start early, and unit tests, one by one, fill the end."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -99,7 +99,6 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return xdist_scope(nodeid)
 
-    config.option.loadscopereorder = False
     return GroupScheduling(config, log)
 
 
