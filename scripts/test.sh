@@ -9,13 +9,24 @@
 # DRAFTHEADS_DFLASH_REFERENCE=0 leaves it out (the test then reports itself skipped).
 # DRAFTHEADS_SGLANG=1 also makes .venv-sglang (scripts/setup_sglang.sh) for the SGLang loader test.
 set -euo pipefail
-source "$(dirname "$0")/setup_env.sh"
+# The three environments are independent and each set-up is mostly one single-threaded pip: on a clean clone they
+# run side by side (vLLM's and the DFlash reference's in the background while .venv is made), not one after another.
+here=$(dirname "$0")
+setups=()
+trap 'for pid in "${setups[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
 if [ "${DRAFTHEADS_INTEROP:-1}" != "0" ]; then
-  bash scripts/setup_vllm.sh
+  bash "$here/setup_vllm.sh" &
+  setups+=($!)
 fi
 if [ "${DRAFTHEADS_DFLASH_REFERENCE:-1}" != "0" ]; then
-  bash scripts/setup_dflash_reference.sh
+  bash "$here/setup_dflash_reference.sh" &
+  setups+=($!)
 fi
+source "$here/setup_env.sh"
+for pid in "${setups[@]}"; do
+  wait "$pid"  # a failed set-up has printed its one line; its status ends this script (set -e)
+done
+setups=()
 # SGLang's own loader on our exports (tests/e2e/interop/test_sglang.py): opt-in, its environment is 2.5 GB
 if [ "${DRAFTHEADS_SGLANG:-0}" = "1" ]; then
   bash scripts/setup_sglang.sh

@@ -71,6 +71,37 @@ XDIST_GROUPS = {
     "reliability": ("test_reliability.py::",),  # one module-scoped catalogue, built once, not once per worker
 }
 
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work a test is scheduled in: its group in XDIST_GROUPS; else, for an e2e or integration test, its
+    module (a module-scoped fixture such as a trained drafter or a built verifier is made once, on one worker, not on
+    both); a unit test alone (the finest balance)."""
+    for group, patterns in XDIST_GROUPS.items():
+        if any(p in nodeid for p in patterns):
+            return group
+    module = nodeid.split("::", 1)[0]
+    return nodeid if module.startswith("tests/unit/") else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` scheduled by `xdist_scope`. Not xdist's own loadgroup: it reads groups from a suffix it
+    writes into each nodeid, which pytest 9.2's node ids no longer take (pytest-xdist#1386): every group was silently
+    split across workers. Work units go out largest first (xdist's order, by number of tests): the groups and the
+    modules start early, and unit tests, one by one, fill the end."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    assert hasattr(LoadScopeScheduling, "_split_scope"), "pytest-xdist changed: tests/conftest.py schedules no more"
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 #: The tiers, by folder: tests/unit/ (the quick loop), tests/integration/ (in-process runs), tests/e2e/ (launchers,
 #: faults, builds, families, the real engines). A unit or integration test that spends more CPU time than its
 #: tier allows fails, naming the tier: move it up a tier, or make it cheaper. CPU time of this process (not wall
@@ -105,18 +136,13 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_collection_modifyitems(config, items):
     """Each test gets its tier's marker (`-m unit` runs the quick loop); `@pytest.mark.cuda` tests are skipped where
-    no CUDA GPU is visible (the marker's promise in pyproject); the xdist groups above are attached."""
+    no CUDA GPU is visible (the marker's promise in pyproject)."""
     import torch
 
     for item in items:
         tier = tier_of(item.path)
         if tier is not None:
             item.add_marker(getattr(pytest.mark, tier))
-    for item in items:
-        for group, patterns in XDIST_GROUPS.items():
-            if any(p in item.nodeid for p in patterns):
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -45,21 +45,22 @@ def setup(family: str):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """Per family: the verifier, its drafter's export folder and HF greedy decoding of PROMPTS (made once)."""
     out = {}
     for family in FAMILIES:
         model, verifier, drafter = setup(family)
-        out[family] = (model, verifier, export_dflash(drafter, tmp_path_factory.mktemp(family), verifier))
+        refs = {tuple(p): hf_greedy(model, p, MAX_NEW) for p in PROMPTS}
+        out[family] = (verifier, export_dflash(drafter, tmp_path_factory.mktemp(family), verifier), refs)
     return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("first_token", ["draft", "prefill"])
 def test_greedy_equals_hf_generate(exported, family, first_token):
-    model, verifier, folder = exported[family]
+    verifier, folder, want = exported[family]
     dec = SpeculativeDecoder(verifier, make_drafter("dflash", verifier, str(folder)), "dflash",
                              first_token=first_token)
     assert dec.drafter.num_draft_tokens == 3  # block_size - 1
-    want = {tuple(p): hf_greedy(model, p, MAX_NEW) for p in PROMPTS}
     for batch in (PROMPTS[:1], PROMPTS):
         out = dec.generate(batch, MAX_NEW, eos_token_id=None)
         assert out.output_ids == [want[tuple(p)] for p in batch]
@@ -124,13 +125,13 @@ def test_fused_loop_decodes_the_same():
 
 
 def test_option_and_draft_errors(exported):
-    _, verifier, folder = exported["llama"]
+    verifier, folder, _ = exported["llama"]
     with pytest.raises(ValueError, match="num_draft_tokens=0"):
         make_drafter("dflash", verifier, str(folder), num_draft_tokens=0)
     with pytest.raises(ValueError, match="has no option"):
         make_drafter("dflash", verifier, str(folder), chain=3)
     with pytest.raises(ValueError, match="needs draft"):
         make_drafter("dflash", verifier)
-    _, other, _ = exported["qwen2"]
+    other, _, _ = exported["qwen2"]
     with pytest.raises(Exception, match="verifier"):
         make_drafter("dflash", other, str(folder))

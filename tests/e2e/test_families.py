@@ -189,7 +189,7 @@ def test_a_soft_capped_head_is_refused(tmp_path):
         soft_capped(-(-len(tokenizer) // 64) * 64).save_pretrained(tmp_path / "gemma2", safe_serialization=True)
         tokenizer.save_pretrained(tmp_path / "gemma2")
         with pytest.raises(VerifierError, match="'gemma2'.*training a drafter on its features"):
-            run_eagle(*tiny_args(tmp_path / "gemma2", tmp_path / "run", 3))
+            run_eagle(*tiny_args(tmp_path / "gemma2", tmp_path / "run", 3, stdlib=True))
 
 
 
@@ -223,9 +223,9 @@ def test_trainers_train_export_and_check(family, trained_verifiers, tmp_path):
     folder = trained_verifiers[family]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        eagle = run_eagle(*tiny_args(folder, tmp_path / "eagle3", 3, "--train.max_steps=2"))
+        eagle = run_eagle(*tiny_args(folder, tmp_path / "eagle3", 3, "--train.max_steps=2", stdlib=True))
         reset_accelerate()
-        eagle1 = run_eagle(*tiny_args(folder, tmp_path / "eagle1", 1, "--train.max_steps=2"))
+        eagle1 = run_eagle(*tiny_args(folder, tmp_path / "eagle1", 1, "--train.max_steps=2", stdlib=True))
         reset_accelerate()
         medusa = run_medusa(folder, tmp_path / "medusa")
     for summary in (eagle, eagle1, medusa):

@@ -23,13 +23,20 @@ pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 @pytest.fixture(scope="module")
 def verifier_dir(tmp_path_factory):
-    return save_verifier_with_tokenizer(tmp_path_factory.mktemp("dflash-verifier") / "qwen3", "qwen3")
+    """A tiny Qwen3 verifier with a tokenizer, and beside it a small text source (~30 rows of 32 tokens and a few
+    held-out ones): every run and the feature dump read seconds of data, not three stdlib files' thousands of rows."""
+    folder = save_verifier_with_tokenizer(tmp_path_factory.mktemp("dflash-verifier") / "qwen3", "qwen3")
+    lines = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # number {i}\n" * 3} for i in range(14)]
+    (folder.parent / "rows.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return folder
 
 
 def tiny_args(verifier, output_dir, *extra):
-    """The tiny config, test-sized: 32-token rows, a few steps, block 4, 6 anchors per row, fp32."""
+    """The tiny config, test-sized: the small text source beside the verifier, 32-token rows, a few steps, block 4,
+    6 anchors per row, fp32."""
     return ["--config", str(ROOT / "configs/dflash-tiny.yaml"), f"--verifier={verifier}",
-            f"--output_dir={output_dir}", "--data.seq_len=32", "--data.max_rows=3", "--data.eval_rows=2",
+            f"--data.source={Path(verifier).parent / 'rows.jsonl'}", f"--output_dir={output_dir}",
+            "--data.seq_len=32", "--data.max_rows=null", "--data.eval_rows=2",
             "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=2", "--train.eval_every=2",
             "--train.eval_batches=2", "--train.log_every=1", "--train.warmup_steps=1", "--wandb.enabled=false",
             "--train.mixed_precision=no", "--dflash.block_size=4", "--dflash.num_anchors=6",

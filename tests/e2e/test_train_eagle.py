@@ -36,18 +36,25 @@ def save_verifier_with_tokenizer(folder, family):
 
 @pytest.fixture(scope="module")
 def verifier_dirs(tmp_path_factory):
+    """A tiny verifier with a tokenizer per family, and beside them a small text source (~30 rows of 32 tokens and a
+    few held-out ones): each run reads seconds of data, not three stdlib files' thousands of rows."""
     root = tmp_path_factory.mktemp("eagle-verifiers")
+    lines = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # number {i}\n" * 3} for i in range(14)]
+    (root / "rows.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     return {family: save_verifier_with_tokenizer(root / family, family) for family in FAMILIES}
 
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
-def tiny_args(verifier, output_dir, version, *extra):
-    """The tiny config with a test-sized run: 32-token rows, a few steps, small draft vocab and TTT, default feature
-    layers (the test verifiers have 4 layers), fp32."""
+def tiny_args(verifier, output_dir, version, *extra, stdlib=False):
+    """The tiny config with a test-sized run: the small text source beside the verifier (`stdlib`: the config's
+    stdlib source, three files), 32-token rows, a few steps, small draft vocab and TTT, default feature layers (the
+    test verifiers have 4 layers), fp32."""
+    data = ["--data.max_rows=3"] if stdlib else [f"--data.source={Path(verifier).parent / 'rows.jsonl'}",
+                                                   "--data.max_rows=null"]
     return ["--config", str(ROOT / f"configs/eagle{version}-tiny.yaml"), f"--verifier={verifier}",
-            f"--output_dir={output_dir}", "--data.seq_len=32", "--data.max_rows=3", "--data.eval_rows=2",
+            f"--output_dir={output_dir}", *data, "--data.seq_len=32", "--data.eval_rows=2",
             "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=2", "--train.eval_every=2",
             "--train.eval_batches=2", "--train.log_every=1", "--train.warmup_steps=1", "--wandb.enabled=false",
             "--train.mixed_precision=no", "--eagle.ttt_steps=3",
@@ -303,8 +310,9 @@ def test_two_processes_broken_export_exits_nonzero(tmp_path, verifier_dirs):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline",
            "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
+    # the stdlib rows: after two steps on the small source the reversed fc blocks went unseen by the check (exit 0)
     command = [str(torchrun), "--nproc_per_node=2", str(script),
-               *tiny_args(verifier_dirs["llama"], tmp_path / "ddp", 3, "--train.max_steps=2")]
+               *tiny_args(verifier_dirs["llama"], tmp_path / "ddp", 3, "--train.max_steps=2", stdlib=True)]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "train/serve check failed" in result.stderr and "on the main process" in result.stderr

@@ -274,33 +274,47 @@ def test_sampling_in_vllm_follows_the_verifier(sampled):
     assert pvalue(torch.tensor(spec["batches"][0]["outputs"]), joint) > 0.001
 
 
-@pytest.mark.parametrize("family,draft_vocab,options", [("llama", 160, {}), ("llama", None, {}), ("qwen3", 160, {}),
-                                                        ("llama", 160, {"fc_norm": True, "norm_output": True})],
-                         ids=["pruned", "whole-vocabulary", "qwen3", "eagle31"])
-def test_speculators_library_reads_our_export_with_its_own_classes(tmp_path, vllm_ready, family, draft_vocab,
-                                                                   options):
+SPECULATORS = {"pruned": ("llama", 160, {}), "whole-vocabulary": ("llama", None, {}), "qwen3": ("qwen3", 160, {}),
+               "eagle31": ("llama", 160, {"fc_norm": True, "norm_output": True})}
+"""(family, draft vocabulary, EAGLE options) of each export the speculators library reads."""
+
+
+@pytest.fixture(scope="module")
+def speculators_logits(tmp_path_factory, vllm_ready):
+    """For each SPECULATORS export: our drafter's first-step logits and the speculators library's, all read in one
+    vLLM-environment process (starting one costs as much as the four readings)."""
+    from draftheads.eval.interop.vllm_peer import SpeculatorsLogits
+
+    root = tmp_path_factory.mktemp("speculators-library")
+    ours, cases = {}, []
+    for name, (family, draft_vocab, options) in SPECULATORS.items():
+        model = peaked_model(family, **SIZE)
+        model.save_pretrained(root / name / "verifier", safe_serialization=True)
+        verifier = Verifier.from_pretrained(root / name / "verifier")
+        drafter = fit_eagle(verifier, 3, greedy_corpus(verifier.model, FIT, 40), draft_vocab_size=draft_vocab,
+                            layer_ids=[1, 2, 3], **options)
+        with torch.no_grad():
+            for pname, p in drafter.named_parameters():
+                if pname.startswith("fc_norm"):
+                    p.uniform_(0.5, 1.5)
+        folder = export_eagle(drafter, root / name / "speculators", verifier, engine="speculators")
+        ids = torch.tensor([PROMPTS[2]])
+        feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+        with torch.no_grad():  # pairs (x_{t+1}, features at t)
+            out, _ = drafter(ids[:, 1:], drafter.project_features(feats.layers)[:, :-1])
+            ours[name] = drafter.logits(out)[0]  # (T-1, Vd)
+        cases.append(SpeculatorsLogits(name, str(folder), ids[0, 1:].tolist(),
+                                       torch.cat(feats.layers, -1)[0, :-1].tolist()))
+    theirs = run_vllm(cases)["cases"]
+    return {name: (ours[name], result) for name, result in zip(SPECULATORS, theirs)}
+
+
+@pytest.mark.parametrize("name", list(SPECULATORS))
+def test_speculators_library_reads_our_export_with_its_own_classes(speculators_logits, name):
     """`SpeculatorModel.from_pretrained(DRAFTER_DIR)` (speculators 0.9, its own Eagle3DraftModel; no conversion, no
     verifier embeddings handed over by hand) computes our drafter's first-step logits to float tolerance; EAGLE 3.1's
     norms (set away from 1) included."""
-    from draftheads.eval.interop.vllm_peer import SpeculatorsLogits
-
-    model = peaked_model(family, **SIZE)
-    model.save_pretrained(tmp_path / "verifier", safe_serialization=True)
-    verifier = Verifier.from_pretrained(tmp_path / "verifier")
-    drafter = fit_eagle(verifier, 3, greedy_corpus(verifier.model, FIT, 40), draft_vocab_size=draft_vocab,
-                        layer_ids=[1, 2, 3], **options)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.startswith("fc_norm"):
-                p.uniform_(0.5, 1.5)
-    folder = export_eagle(drafter, tmp_path / "speculators", verifier, engine="speculators")
-    ids = torch.tensor([PROMPTS[2]])
-    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
-    with torch.no_grad():  # pairs (x_{t+1}, features at t)
-        out, _ = drafter(ids[:, 1:], drafter.project_features(feats.layers)[:, :-1])
-        ours = drafter.logits(out)[0]  # (T-1, Vd)
-    result = run_vllm([SpeculatorsLogits("logits", str(folder), ids[0, 1:].tolist(),
-                                         torch.cat(feats.layers, -1)[0, :-1].tolist())])["cases"][0]
+    ours, result = speculators_logits[name]
     assert result["ok"], result.get("error")
     assert result["model_class"] == "Eagle3DraftModel"
     theirs = torch.tensor(result["logits"])
