@@ -187,16 +187,20 @@ def test_vllm_decodes_like_plain_greedy_and_accepts_what_we_accept(interop, name
 
 
 def test_bf16_export_in_bf16(interop_bf16):
-    """A bf16 EAGLE-3 export served in bf16: vLLM loads it, decodes like its own plain bf16 greedy decoding, and
-    accepts what our engine accepts in bf16 (seen equal per step here; bf16 kernels may break a near-tie between
-    machines, so the total is held to 10%)."""
-    spec, plain, ours = interop_bf16
+    """A bf16 EAGLE-3 export served in bf16: vLLM loads it, decodes like its own plain bf16 greedy decoding (up to a
+    near-tie that bf16 kernels may round either way, judged by the fp32 verifier), accepts drafts, and where the
+    tokens decoded are the same accepts what our engine accepts in bf16 (the total held to 10%)."""
+    spec, plain, ours, model = interop_bf16
     assert spec["ok"] and plain["ok"], spec.get("error") or plain.get("error")
-    for s, p in zip(spec["batches"], plain["batches"]):
-        assert s["outputs"] == p["outputs"]
+    for batch, s, p in zip(BATCHES, spec["batches"], plain["batches"]):
+        for prompt, a, b in zip(batch, s["outputs"], p["outputs"]):
+            assert_same_or_bf16_tie(model, prompt, a, b)
     accepted = sum(b["metrics"]["vllm:spec_decode_num_accepted_tokens"] for b in spec["batches"])
     mine = sum(sum(map(sum, o.stats.accepted)) for o in ours)
-    assert mine >= 10 and abs(accepted - mine) <= max(2, 0.1 * mine), (accepted, mine)
+    assert mine >= 10 and accepted >= 10, (accepted, mine)
+    if all(s["outputs"] == p["outputs"] for s, p in zip(spec["batches"], plain["batches"])):
+        # the same tokens decoded: the counts are comparable (after a tie broken apart they are not)
+        assert abs(accepted - mine) <= max(2, 0.1 * mine), (accepted, mine)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +218,26 @@ def interop_bf16(tmp_path_factory, vllm_ready):
     spec, plain = run_vllm(cases)["cases"]
     dec = build_decoder(Verifier.from_pretrained(root / "verifier", dtype=torch.bfloat16),
                                              draft=str(folder), method="eagle", chain=K, first_token="prefill")
-    return spec, plain, [dec.generate(batch, MAX_NEW, eos_token_id=None) for batch in BATCHES]
+    return spec, plain, [dec.generate(batch, MAX_NEW, eos_token_id=None) for batch in BATCHES], model
+
+
+def assert_same_or_bf16_tie(model, prompt, spec_out, plain_out, tie=0.1):
+    """Speculative and plain bf16 decoding agree token for token, or first part where the fp32 verifier ranks the
+    two diverging tokens as a near-tie (its top two, logits within `tie`; bf16's 8-bit mantissa through this
+    model's layers moves logits of about 3 by a few hundredths, 0.06 seen on an AMX CPU): bf16 kernels that pick a different matrix blocking for
+    a 4-token verify than for a 1-token step (AMX does) may round such a tie either way; any later token then
+    follows a different prefix and is not compared. A divergence at a clear choice fails."""
+    d = next((i for i, (x, y) in enumerate(zip(spec_out, plain_out)) if x != y), None)
+    assert len(spec_out) == len(plain_out)
+    if d is None:
+        return
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(plain_out[:d])])).logits[0, -1].float()
+    top2 = logits.topk(2).indices.tolist()
+    gap = abs(logits[spec_out[d]] - logits[plain_out[d]]).item()
+    assert sorted(top2) == sorted([spec_out[d], plain_out[d]]) and gap <= tie, (
+        f"spec and plain bf16 decoding part at new token {d}: {spec_out[d]} vs {plain_out[d]}, fp32 logits "
+        f"{logits[spec_out[d]].item():.4f} vs {logits[plain_out[d]].item():.4f} (top 2: {top2}), not a near-tie")
 
 
 V = 16
