@@ -901,13 +901,26 @@ def environment(env: dict | None):
         os.environ.update(saved)
 
 
+@contextlib.contextmanager
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt while a command runs, as in a terminal, however the suite was started: a shell
+    that starts a job in the background without job control (`cmd &` in a script) hands it SIGINT ignored, and
+    Python keeps an inherited SIG_IGN, so the Ctrl-C cases would see the command run to its end."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_cli(argv: list[str], env: dict | None = None) -> tuple[int, str]:
     """Run a command line in this process: (exit code, what it printed to stderr)."""
     import importlib
 
     err = io.StringIO()
     prog = argv[1:]
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), environment(env):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), environment(env), \
+            ctrl_c_raises():
         code = 0
         try:
             if argv[0] == "draftheads":  # the command, as a user types it

@@ -140,7 +140,9 @@ def test_broken_export_fails_the_run(tmp_path, verifier_dirs, monkeypatch, versi
     monkeypatch.setattr(train_eagle, "export_eagle", export_then_break)
     with pytest.raises(ConsistencyError, match=r"train/serve check failed: .*the exported eagle drafter, reloaded, "
                                                r"reaches tau .*first differs at verifier call"):
-        run(*tiny_args(verifier_dirs["llama"], tmp_path, version))
+        # the stdlib rows: on the small source the check's held-out prompts did not tell the reversed fc blocks
+        # apart (EAGLE-3's run ended with no error), so the test would check nothing
+        run(*tiny_args(verifier_dirs["llama"], tmp_path, version, stdlib=True))
     assert not any("eval/tau" in r for r in records(tmp_path))
 
 
