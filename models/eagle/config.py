@@ -41,6 +41,17 @@ class EagleConfig:
     """EAGLE-3: take the residual after hidden_norm (vLLM option); false as in the EAGLE repo and SpecForge."""
     init_from_verifier: bool = True
     """EAGLE-3: start lm_head from the verifier's rows of the draft vocabulary and norm from its final norm."""
+    norm_init: Literal["verifier", "ones"] = "verifier"
+    """EAGLE-3 final norm at the start: the verifier's final norm (with init_from_verifier) or ones, as speculators
+    starts it (its lm_head is the verifier's, its norm a fresh one)."""
+    init_std: float | None = None
+    """Initial weights of fc and the drafter layer's linear maps: None keeps PyTorch's default (Kaiming-uniform, std
+    1/sqrt(3 fan_in)); a number draws them from normal(0, init_std), as transformers' `initializer_range` (0.02)
+    does in speculators' and SpecForge's drafters."""
+    skip_out_of_draft: bool = True
+    """EAGLE-3: leave out of the loss the positions whose verifier argmax is outside the draft vocabulary (no draft
+    can be accepted there); false trains them too, against the verifier's distribution renormalised over the draft
+    vocabulary, as speculators and SpecForge do."""
     freeze_lm_head: bool = False
     """EAGLE-3: keep lm_head as initialised (the verifier's rows with init_from_verifier) instead of training it, as
     speculators does."""
@@ -92,6 +103,10 @@ class EagleConfig:
             raise EagleError(f"eagle.noise={self.noise}: expected >= 0")
         if self.version == 3 and self.fc_bias:
             raise EagleError("eagle.fc_bias=true: EAGLE-3 engines (vLLM, SGLang) build fc without a bias; use false")
+        if self.init_std is not None and not self.init_std > 0:
+            raise EagleError(f"eagle.init_std={self.init_std}: expected a positive standard deviation or null")
+        if self.norm_init not in ("verifier", "ones"):
+            raise EagleError(f"eagle.norm_init={self.norm_init!r}: expected 'verifier' or 'ones'")
         if self.lk_eta < 0:
             raise EagleError(f"eagle.lk_eta={self.lk_eta}: expected >= 0")
         self.parallel_keep = tuple(float(x) for x in self.parallel_keep)

@@ -65,6 +65,13 @@ class EagleDrafter(nn.Module):
             layer.hidden_norm = norm_cls(H, eps=eps)
         self.layers = nn.ModuleList([layer])
         self.fc = nn.Linear((2 if self.version == 1 else 3) * H, H, bias=cfg.use_fc_bias)
+        if cfg.init_std is not None:  # transformers' _init_weights: normal(0, initializer_range), zero biases
+            with torch.no_grad():
+                for module in (self.fc, *self.layers.modules()):
+                    if isinstance(module, nn.Linear):
+                        module.weight.normal_(0.0, cfg.init_std)
+                        if module.bias is not None:
+                            module.bias.zero_()
         self._held = _Held(embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head,
                            rotary_emb=rope_cls(self.layer_config))
 
@@ -365,7 +372,9 @@ class Eagle3Drafter(EagleDrafter):
             with torch.no_grad():
                 columns = torch.arange(Vd) + d2t
                 self.lm_head.weight.copy_(verifier.lm_head.weight.detach().float().cpu()[columns])
-                if self.model_type in OWN_LAYER_FAMILIES:
+                if cfg.norm_init == "ones":
+                    pass  # the fresh norm: ones (the drafter's norm is a Llama one for every family)
+                elif self.model_type in OWN_LAYER_FAMILIES:
                     self.norm.weight.copy_(verifier.norm.weight.detach().float().cpu())
                 else:  # the same per-channel scale in the Llama norm's convention (Gemma's is 1 + w)
                     self.norm.weight.copy_(norm_scale(verifier.norm, H))
@@ -460,7 +469,7 @@ class Eagle3Drafter(EagleDrafter):
                 continue
             logits = self.logits(out[:, :n])  # (B, n, Vd)
             scored = self.trained_mask(loss_mask, position_ids, k)  # (B, n)
-            trained = scored & in_draft[:, 1 + k:T - 1]
+            trained = scored & in_draft[:, 1 + k:T - 1] if self.cfg.skip_out_of_draft else scored
             if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
                 kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
