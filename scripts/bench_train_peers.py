@@ -1,7 +1,7 @@
 """Training throughput side by side: our EAGLE-3 trainer (features online and offline) against speculators 0.9.0 and
 SpecForge 0.2.0 on the same rows with the peer bench's matched settings, each trainer one thread, in rounds.
 
-    python scripts/bench_train_peers.py --verifier tiny-micro --out runs/speed-tiny-micro [--rows 96] [--epochs 1]
+    python scripts/bench_train_peers.py --verifier tiny-micro --out runs/thr-tiny-micro [--rows 96] [--epochs 1]
         [--rounds 2] [--batch 4] [--flags '--train.x=y'] [--peers speculators specforge]
 
 The rows, the features in each peer's format, and every trainer's command are scripts/bench_peers.py's (its
