@@ -1,13 +1,14 @@
 """Training throughput side by side: our EAGLE-3 trainer (features online and offline) against speculators 0.9.0 and
 SpecForge 0.2.0 on the same rows with the peer bench's matched settings, each trainer one thread, in rounds.
 
-    python scripts/bench_train_peers.py --verifier tiny-micro --out runs/speed-tiny-micro [--rows 96] [--epochs 1]
-        [--rounds 2] [--peers speculators specforge]
+    python scripts/bench_train_peers.py --verifier tiny-micro --out runs/thr-tiny-micro [--rows 96] [--epochs 1]
+        [--rounds 2] [--batch 4] [--flags '--train.x=y'] [--peers speculators specforge]
 
 The rows, the features in each peer's format, and every trainer's command are scripts/bench_peers.py's (its
-functions, imported): 8 packed rows of 256 tokens per optimizer step for ours (document masks on), the peers' own
-packing / one row per micro-batch, 7 TTT steps, KL on the draft vocabulary, fp32, AdamW. Nothing is served: this
-is the training loop's speed only. Every trainer runs with OMP_NUM_THREADS=1 (one torch thread each: on a shared
+functions, imported): `--batch` documents per optimizer step for every trainer (ours packs them into rows of
+256 tokens, document masks on; the peers' own packing / one row per micro-batch), 7 TTT steps, KL on the draft
+vocabulary, fp32, AdamW; `--flags` adds options to our trainer's command. Nothing is served: this is the training
+loop's speed only. Every trainer runs with OMP_NUM_THREADS=1 (one torch thread each: on a shared
 machine two OpenMP threads spin against the other processes and slow down unevenly), one after the other, in
 `--rounds` rounds whose order alternates. Reported per trainer: the median over rounds of training tokens per
 second of wall clock and per second of its process's CPU time (ours: `train/tokens_per_cpu_s` weighted over its
@@ -51,9 +52,13 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batch", type=int, default=4, help="rows (documents) per optimizer step, for every trainer")
+    p.add_argument("--seed", type=int, default=0, help="every trainer's seed")
+    p.add_argument("--flags", default="", help="extra options for our trainer, e.g. '--train.compile=true'")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    args.reuse = False  # every round trains afresh: the rounds are the measurement
     os.environ["OMP_NUM_THREADS"] = "1"  # every trainer below inherits it
 
     from safetensors.torch import load_file
@@ -66,24 +71,25 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)
     layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
     vocab = min(2048, verifier.vocab_size // 2)
-    rows = peers.our_rows(tokenizer, peers.write_docs_jsonl(tokenizer, args.rows, args.seq_len, out), args.rows,
+    rows = peers.our_rows(tokenizer, peers.write_docs_jsonl(tokenizer, args.rows, args.seq_len, args.batch, out), args.rows,
                           args.seq_len)
     args.rows = len(rows)
     tokens = sum(len(r["input_ids"]) for r in rows)
     peers.say(f"{len(rows)} rows, {tokens} tokens, {args.epochs} epoch(s), {args.rounds} rounds, one thread each")
 
     def ours(features: str) -> dict:
-        run = peers.train_ours(args, out, layer_ids, vocab, tokens, features)
+        run = peers.train_ours(args, out, layer_ids, vocab, tokens, features, f"draftheads-{features}",
+                               flags=tuple(args.flags.split()))
         wall, cpu = our_rates(out / f"draftheads-{features}")
         return {"wall": wall, "cpu": cpu, "how": run["how"]}
 
     def peer(name: str) -> dict:
         data = out / f"{name}-data"
         if name == "speculators":
-            r = peers.train_speculators(args, out, data, layer_ids, vocab, tokens)
+            r = peers.train_speculators(args, out, data, layer_ids, vocab, tokens, name)
             rep = json.loads((out / "speculators-report.json").read_text())
         else:
-            r = peers.train_specforge(args, out, data, layer_ids, vocab, tokens, verifier)
+            r = peers.train_specforge(args, out, data, layer_ids, vocab, tokens, verifier, name)
             rep = json.loads((out / "specforge-report.json").read_text())
             rep["tokens"] = r["tokens"]
         return {"wall": rep["tokens"] / rep["seconds"], "cpu": rep["tokens"] / rep["cpu_seconds"], "how": r["how"]}
@@ -111,7 +117,8 @@ def main(argv=None) -> int:
             peers.say(f"  {last['wall']:,.0f} tokens/s wall, {last['cpu']:,.0f} per CPU second")
 
     summary = {"verifier": args.verifier, "rows": len(rows), "tokens": tokens, "epochs": args.epochs,
-               "rounds": args.rounds, "threads": 1, "runs": results}
+               "batch": args.batch, "seed": args.seed, "flags": args.flags, "rounds": args.rounds, "threads": 1,
+               "runs": results}
     med = {name: {k: statistics.median(run[k] for run in runs) for k in ("wall", "cpu")}
            for name, runs in results.items()}
     summary["median"] = med

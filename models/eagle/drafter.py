@@ -483,7 +483,8 @@ class Eagle3Drafter(EagleDrafter):
                 step_alpha.append(masked_mean(alpha, trained))
             step_losses.append(masked_mean(per_position, trained))
             with torch.no_grad():
-                correct[k, :, :n] = self.to_target_ids(logits.argmax(-1)) == target_ids[:, 1 + k:T - 1]
+                draft = logits.max(-1).indices  # argmax (the first maximum), about 2x faster on a CPU
+                correct[k, :, :n] = self.to_target_ids(draft) == target_ids[:, 1 + k:T - 1]
                 valid[k, :, :n] = scored
         weights = step_weights(self.cfg.step_weights, K, self.cfg.decay, torch.stack(step_alpha)).to(zero.device)
         loss = (weights * torch.stack(step_losses)).sum()

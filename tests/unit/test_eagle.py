@@ -353,12 +353,15 @@ def test_draft_vocab_selection_and_round_trip():
 
 def test_draft_targets_renormalise_over_the_draft_vocab():
     logits = torch.randn(2, 3, 12)
+    logits[0, 0, [3, 9]] = 5.0  # a tie across the draft boundary: the first maximum (3) is the target, undrafted
+    logits[0, 1, [8, 10]] = 5.0  # a tie inside the draft vocabulary: 8
     d2t, t2d = select_draft_vocab(torch.arange(12), 5)  # the five highest ids: 7..11
     logp, target_ids, in_draft = draft_targets(logits, d2t, t2d)
     full = logits.softmax(-1)[..., 7:]
     torch.testing.assert_close(logp.exp(), full / full.sum(-1, keepdim=True))
     assert torch.equal(in_draft, logits.argmax(-1) >= 7)
     assert torch.equal(target_ids, logits.argmax(-1))
+    assert target_ids[0, 0] == 3 and not in_draft[0, 0] and target_ids[0, 1] == 8
 
 
 def test_drafter_maps_and_lm_head_start_from_the_verifier(verifiers):
