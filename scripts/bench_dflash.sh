@@ -11,9 +11,18 @@
 #   DFLASH_VERIFIER=tiny-micro DFLASH_STEPS=20 DFLASH_SEQ_LEN=64 DFLASH_DATA_PROMPTS=32 DFLASH_PROMPTS=2 \
 #     DFLASH_MAX_NEW_TOKENS=32 bash scripts/bench_dflash.sh      # a smoke run of the whole pipeline (minutes)
 #
+# DFLASH_EXTRA_WINDOWS="8:8 16:16" also trains DFlash at block 8 with a first-layer window of 8 (label b8w8), ...:
+# with the config's window of 4, block positions 4 and later see only mask tokens in the first layer
+# (docs/dflash.md#positions-past-the-window).
+#
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
+EXTRA_WINDOWS=${DFLASH_EXTRA_WINDOWS:-}
+for pair in $EXTRA_WINDOWS; do
+  [[ $pair =~ ^[0-9]+:[0-9]+$ ]] || { echo "DFLASH_EXTRA_WINDOWS: '$pair': expected BLOCK:WINDOW pairs of" \
+    "integers separated by spaces, e.g. '8:8 16:16'" >&2; exit 2; }
+done
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
 STEPS=${DFLASH_STEPS:-600}
@@ -52,13 +61,22 @@ train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder, up t
 train eagle3 train/eagle.py configs/eagle3-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
 train peagle train/eagle.py configs/peagle-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
 DFLASH=()
+LABELS=(eagle3 peagle)
 for b in $BLOCKS; do
   # the data are the verifier's own output: block position k learns the data token (dflash.targets=data)
   train "dflash-b$b" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" --dflash.targets=data
   DFLASH+=("b$b=$DIR/dflash-b$b/drafter")
+  LABELS+=("dflash-b$b")
+done
+for pair in $EXTRA_WINDOWS; do
+  b=${pair%:*} w=${pair#*:}
+  train "dflash-b${b}w$w" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
+    --dflash.sliding_window="$w" --dflash.targets=data
+  DFLASH+=("b${b}w$w=$DIR/dflash-b${b}w$w/drafter")
+  LABELS+=("dflash-b${b}w$w")
 done
 wait
-for label in eagle3 peagle $(printf 'dflash-b%s ' $BLOCKS); do  # a parallel training that failed: name its log
+for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log
   [ -f "$DIR/$label/drafter/config.json" ] || { echo "training $label failed: see $DIR/$label.log" >&2; exit 1; }
 done
 
