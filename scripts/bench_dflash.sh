@@ -2,17 +2,27 @@
 # DFlash beside EAGLE-3, P-EAGLE and n-gram lookup on one training budget: the same verifier, self-distilled data
 # (the verifier's own continuations of stdlib functions, scripts/selfdistill_data.py), steps, batch and seed for
 # every drafter. DFlash at block sizes 4, 8 and 16 (configs/dflash-tiny.yaml), EAGLE-3 (configs/eagle3-tiny.yaml)
-# and P-EAGLE (configs/peagle-tiny.yaml) drafting chains of 4; then one decode benchmark over all of them at T = 0
-# on HumanEval prompts (scripts/bench_decode.py, methods taking turns prompt by prompt), and one table: tau,
-# per-position acceptance, tokens/s and the drafter's milliseconds per step.
+# and P-EAGLE (configs/peagle-tiny.yaml) drafting chains of 4, EAGLE-3 also its dynamic tree; then one decode
+# benchmark over all of them at T = 0 on HumanEval prompts (scripts/bench_decode.py, methods taking turns prompt by
+# prompt), one table (tau, per-position acceptance, tokens/s, the drafter's milliseconds per step) and issue 23's
+# goal per block size: tau >= EAGLE-3's chain of 4, tokens/s >= P-EAGLE's.
 #
 #   bash scripts/bench_dflash.sh      # DFLASH_VERIFIER=tiny-code DFLASH_STEPS=600 DFLASH_DIR=runs/bench-dflash ...
 #   DFLASH_VERIFIER=tiny-micro DFLASH_STEPS=20 DFLASH_SEQ_LEN=64 DFLASH_DATA_PROMPTS=32 DFLASH_PROMPTS=2 \
 #     DFLASH_MAX_NEW_TOKENS=32 bash scripts/bench_dflash.sh      # a smoke run of the whole pipeline (minutes)
 #
+# DFLASH_EXTRA_WINDOWS="8:8 16:16" also trains DFlash at block 8 with a first-layer window of 8 (label b8w8), ...:
+# with the config's window of 4, block positions 4 and later see only mask tokens in the first layer
+# (docs/dflash.md#positions-past-the-window).
+#
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
+EXTRA_WINDOWS=${DFLASH_EXTRA_WINDOWS:-}
+for pair in $EXTRA_WINDOWS; do
+  [[ $pair =~ ^[0-9]+:[0-9]+$ ]] || { echo "DFLASH_EXTRA_WINDOWS: '$pair': expected BLOCK:WINDOW pairs of" \
+    "integers separated by spaces, e.g. '8:8 16:16'" >&2; exit 2; }
+done
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
 STEPS=${DFLASH_STEPS:-600}
@@ -51,18 +61,30 @@ train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder, up t
 train eagle3 train/eagle.py configs/eagle3-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
 train peagle train/eagle.py configs/peagle-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
 DFLASH=()
+LABELS=(eagle3 peagle)
 for b in $BLOCKS; do
   # the data are the verifier's own output: block position k learns the data token (dflash.targets=data)
   train "dflash-b$b" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" --dflash.targets=data
   DFLASH+=("b$b=$DIR/dflash-b$b/drafter")
+  LABELS+=("dflash-b$b")
+done
+for pair in $EXTRA_WINDOWS; do
+  b=${pair%:*} w=${pair#*:}
+  train "dflash-b${b}w$w" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
+    --dflash.sliding_window="$w" --dflash.targets=data
+  DFLASH+=("b${b}w$w=$DIR/dflash-b${b}w$w/drafter")
+  LABELS+=("dflash-b${b}w$w")
 done
 wait
-for label in eagle3 peagle $(printf 'dflash-b%s ' $BLOCKS); do  # a parallel training that failed: name its log
+for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log
   [ -f "$DIR/$label/drafter/config.json" ] || { echo "training $label failed: see $DIR/$label.log" >&2; exit 1; }
 done
 
+# EAGLE-3 decodes twice: as a chain of 4 (like with like: DFlash verifies a chain too) and as the dynamic tree
+# that gives it its best tau on tiny-code (docs/benchmarks.md: d7 k3 n16)
 python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \
-  --max-new-tokens "$TOKENS" --temperatures 0 --threads 1 --runs "$DIR" --variants autoregressive ngram \
+  --max-new-tokens "$TOKENS" --temperatures 0 --threads 1 --runs "$DIR" \
+  --variants autoregressive ngram eagle3-tree-d7k3n16 --eagle3 "$DIR/eagle3/drafter" \
   --eagle3-extra "tiny=$DIR/eagle3/drafter" "peagle=$DIR/peagle/drafter" --extra-chains 4 \
   --dflash-extra "${DFLASH[@]}"
 
@@ -79,4 +101,14 @@ for label, row in res["summary"].items():
     ms = res["step_profile"].get(label, {}).get("draft_ms")
     print(f"| {label} | {row['tau']:.2f} | {pos} | {row['tokens_per_s']:.1f} | {row['speedup'] or 0:.2f}x | "
           f"{'-' if ms is None else f'{ms:.2f}'} |")
+# issue 23's goal, like with like: DFlash's tau against EAGLE-3's chain of 4, its tokens/s against P-EAGLE's
+eagle, peagle = res["summary"].get("eagle3-tiny-chain4"), res["summary"].get("eagle3-peagle-chain4")
+if eagle and peagle:
+    print(f"\nGoal: tau >= EAGLE-3 chain 4 ({eagle['tau']:.2f}) and tokens/s >= P-EAGLE chain 4 "
+          f"({peagle['tokens_per_s']:.1f})")
+    for label, row in res["summary"].items():
+        if label.startswith("dflash-"):
+            tau_ok, speed_ok = row["tau"] >= eagle["tau"], row["tokens_per_s"] >= peagle["tokens_per_s"]
+            print(f"- {label}: tau {row['tau']:.2f} {'met' if tau_ok else 'MISSED'}, tokens/s "
+                  f"{row['tokens_per_s']:.1f} {'met' if speed_ok else 'MISSED'}")
 EOF

@@ -133,10 +133,10 @@ def test_config_errors_are_named():
         parse_config(DFlashRunConfig, ["--dflash.target_layer_ids=[5,1]"])
 
 
-@pytest.mark.parametrize("name", ["dflash-tiny", "qwen3-8b-dflash"])
-def test_shipped_configs_parse(name):
+@pytest.mark.parametrize("name, block, gamma", [("dflash-tiny", 4, 2.5), ("qwen3-8b-dflash", 16, 7.0)])
+def test_shipped_configs_parse(name, block, gamma):
     cfg = parse_config(DFlashRunConfig, ["--config", str(ROOT / f"configs/{name}.yaml")])
-    assert cfg.dflash.block_size in (8, 16) and cfg.dflash.loss_gamma in (4.0, 7.0)
+    assert cfg.dflash.block_size == block and cfg.dflash.loss_gamma == gamma
 
 
 def test_two_processes(tmp_path, verifier_dir):

@@ -1,0 +1,23 @@
+"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS in one line, before it sets anything up or
+trains anything."""
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("value, bad", [("8:8 16", "16"), ("8-8", "8-8"), ("b8:8", "b8:8"), ("8:", "8:")])
+def test_malformed_extra_windows_are_refused_in_one_line(tmp_path, value, bad):
+    out = tmp_path / "bench"
+    env = {**os.environ, "DFLASH_EXTRA_WINDOWS": value, "DFLASH_DIR": str(out),
+           "DFLASH_VERIFIER": str(tmp_path / "no-verifier")}  # should the check ever let it through: fail fast
+    proc = subprocess.run(["bash", str(ROOT / "scripts/bench_dflash.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"DFLASH_EXTRA_WINDOWS: '{bad}': expected BLOCK:WINDOW pairs of integers "
+                                   "separated by spaces, e.g. '8:8 16:16'")
+    assert proc.stdout == "" and not out.exists()
