@@ -25,27 +25,33 @@ import torch
 
 
 @torch.no_grad()
-def chain_acceptance(drafter, verifier, sequences: list[torch.Tensor], masks: list[torch.Tensor], steps: int
-                     ) -> tuple[list[float], int]:
-    """(acceptance at k = 1..steps, positions scored) over sequences (T,) with masks (T,) of the positions whose
-    chains are scored (a chain from t predicts x_{t+2} first)."""
-    chain = torch.zeros(steps)
+def chain_hits(drafter, verifier, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """(steps, n) bool for a sequence ids (T,), n = T-1-steps (the starts whose whole chain has a target): [k, t] is
+    true where the chain drafted from t has its first k+1 tokens equal to the verifier's argmax (a chain from t
+    predicts x_(t+2) first)."""
+    ids = ids[None].to(verifier.device)
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers, return_logits=True)
+    n = ids.shape[1] - 1 - steps
+    hidden = drafter.project_features(feats.layers)
+    outs = drafter.ttt_unroll(ids, hidden.to(drafter.dtype), None, steps)
+    target = feats.logits.argmax(-1)[0]
+    right = torch.ones(n, dtype=torch.bool, device=ids.device)
+    hits = []
+    for k, out in enumerate(outs):
+        draft = drafter.to_target_ids(drafter.logits(out[:, :n]).argmax(-1))[0]
+        right = right & (draft == target[1 + k:1 + k + n])
+        hits.append(right)
+    return torch.stack(hits).cpu()
+
+
+def chain_acceptance(hits: list[torch.Tensor], masks: list[torch.Tensor]) -> tuple[list[float], int]:
+    """(acceptance at k = 1..steps, starts scored) from each sequence's chain_hits and its mask (T,) of the starts
+    scored."""
+    chain = torch.zeros(hits[0].shape[0])
     total = 0
-    for ids, mask in zip(sequences, masks):
-        ids = ids[None].to(verifier.device)
-        feats = verifier.features(ids, layer_ids=drafter.feature_layers, return_logits=True)
-        T = ids.shape[1]
-        start = mask.bool()[None].to(ids.device)
-        hidden = drafter.project_features(feats.layers)
-        outs = drafter.ttt_unroll(ids, hidden.to(drafter.dtype), None, steps)
-        target = feats.logits.argmax(-1)[0]
-        n = T - 1 - steps  # starts whose whole chain has a target
-        right = torch.ones(n, dtype=torch.bool, device=ids.device)
-        scored = start[0, :n]
-        for k, out in enumerate(outs):
-            draft = drafter.to_target_ids(drafter.logits(out[:, :n]).argmax(-1))[0]
-            right &= draft == target[1 + k:1 + k + n]
-            chain[k] += (right & scored).sum().item()
+    for right, mask in zip(hits, masks):
+        scored = mask.bool()[:right.shape[1]]
+        chain += (right & scored).sum(1)
         total += int(scored.sum())
     return (chain / max(total, 1)).tolist(), total
 
@@ -75,6 +81,9 @@ def main(argv=None) -> dict:
                    help="also score the continuations' starts apart by whether their context repeats (the three "
                         "tokens x_(t-1), x_t, x_(t+1) occurred earlier in the sequence: a copy would draft there)")
     args = p.parse_args(argv)
+    for spec in args.drafter:
+        if not spec.partition("=")[2]:
+            p.error(f"--drafter {spec}: expected LABEL=FOLDER")
 
     from draftheads.models.export import load_eagle
     from draftheads.models.verifier import Verifier
@@ -109,8 +118,12 @@ def main(argv=None) -> dict:
     for spec in args.drafter:
         label, _, folder = spec.partition("=")
         drafter = load_eagle(folder, verifier).float().eval()
+        hits = {}  # one verifier forward and one unroll per sequence, shared by every set that scores it
         for name, (seqs, masks) in sets.items():
-            acc, n = chain_acceptance(drafter, verifier, seqs, masks, args.k)
+            for ids in seqs:
+                if id(ids) not in hits:
+                    hits[id(ids)] = chain_hits(drafter, verifier, ids, args.k)
+            acc, n = chain_acceptance([hits[id(ids)] for ids in seqs], masks)
             results[(label, name)] = acc
             print(f"{label:<24} {name:<22} {n:>6} starts  acceptance " + " / ".join(f"{a:.3f}" for a in acc)
                   + f"  tau {1 + sum(acc):.3f}", flush=True)
