@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -54,8 +55,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="rows (documents) per optimizer step, for every trainer")
     p.add_argument("--seed", type=int, default=0, help="every trainer's seed")
-    p.add_argument("--flags", default="", help="extra options for our trainer, e.g. '--train.compile=true'")
+    p.add_argument("--flags", default="", help="extra options for our trainer, split as a shell would, e.g. '--data.packing=stream'")
     args = p.parse_args(argv)
+    try:
+        flags = tuple(shlex.split(args.flags))
+    except ValueError as e:
+        p.error(f"--flags {args.flags!r}: cannot split it as a shell would ({e})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     args.reuse = False  # every round trains afresh: the rounds are the measurement
@@ -79,7 +84,7 @@ def main(argv=None) -> int:
 
     def ours(features: str) -> dict:
         run = peers.train_ours(args, out, layer_ids, vocab, tokens, features, f"draftheads-{features}",
-                               flags=tuple(args.flags.split()))
+                               flags=flags)
         wall, cpu = our_rates(out / f"draftheads-{features}")
         return {"wall": wall, "cpu": cpu, "how": run["how"]}
 
