@@ -284,6 +284,9 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer-steps", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tol", type=float, default=1e-5, help="largest rel gradient difference that counts as equal")
+    p.add_argument("--float64", action="store_true",
+                   help="both trainers in float64 and ours given speculators' position numbers (from 1): what is "
+                        "left is the rounding of the float32 steps both keep (RoPE angles, the loss's softmax)")
     args = p.parse_args(argv)
     if not SPECULATORS_PYTHON.exists():
         raise SystemExit(f"[peer_step_check] {SPECULATORS_PYTHON} is missing: run scripts/setup_peers.sh first")
@@ -303,7 +306,8 @@ def main(argv=None) -> int:
     from draftheads.train.eagle import draft_vocab_counts
 
     verifier_path = resolve_verifier(args.verifier)
-    verifier = Verifier.from_pretrained(verifier_path, dtype=torch.float32)
+    dtype = torch.float64 if args.float64 else torch.float32
+    verifier = Verifier.from_pretrained(verifier_path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)
     layer_ids, vocab = bench.drafter_settings(verifier)
     docs = Path(args.docs) if args.docs else bench.write_docs_jsonl(tokenizer, 400, args.seq_len, 4, out)
@@ -313,13 +317,13 @@ def main(argv=None) -> int:
     counts = draft_vocab_counts(train, verifier.vocab_size)  # OUR draft vocabulary, as train/eagle.py picks it
     cfg = EagleConfig(version=3, layer_ids=layer_ids, draft_vocab_size=vocab, ttt_steps=bench.TTT, decay=bench.DECAY)
     torch.manual_seed(args.seed)
-    drafter = build_drafter(verifier, cfg, token_counts=counts)
+    drafter = build_drafter(verifier, cfg, token_counts=counts, dtype=dtype)
     if args.drafter:  # its weights, in a drafter built as above (its d2t/t2d must be the bench's map)
         trained = load_eagle(args.drafter, verifier)
         if not torch.equal(trained.d2t.cpu(), drafter.d2t.cpu()) or trained.layer_ids != drafter.layer_ids:
             raise SystemExit(f"[peer_step_check] --drafter {args.drafter}: its layer ids or draft vocabulary differ "
                              f"from the bench's on {docs} (layer ids {layer_ids}, our map of {vocab} tokens)")
-        drafter.load_state_dict(trained.float().state_dict())
+        drafter.load_state_dict(trained.to(dtype).state_dict())
         start = f"the drafter in {args.drafter}"
     else:
         with torch.no_grad():
@@ -353,7 +357,7 @@ def main(argv=None) -> int:
         cases.append({"name": f"matched-{i}", "data": str(data), "lm_head_trainable": True,
                       "optimizer_steps": args.optimizer_steps if i == 0 else 0, "lr": OPT_LR})
     request = {"flags": flags, "weights": str(out / "init.safetensors"), "seq_len": args.seq_len, "cases": cases,
-               "out": str(out)}
+               "out": str(out), "dtype": str(dtype).removeprefix("torch.")}
     (out / "request.json").write_text(json.dumps(request, indent=1))
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     with open(out / "speculators.log", "w") as log:
@@ -367,11 +371,15 @@ def main(argv=None) -> int:
     # our side, and the report
     report = [f"# One training step, ours against speculators 0.9.0 ({args.verifier})", "",
               f"layer ids {layer_ids}, draft vocabulary {vocab} (our d2t/t2d), {bench.TTT} TTT steps, decay "
-              f"{bench.DECAY}, fp32; rows {rows} of our training rows from {docs} (one document each, "
-              f"{[len(d['input_ids']) for d in documents]} tokens); weights: {start}.", ""]
+              f"{bench.DECAY}, {str(dtype).removeprefix('torch.')}; rows {rows} of our training rows from {docs} (one document each, "
+              f"{[len(d['input_ids']) for d in documents]} tokens); weights: {start}."
+              + (" Float64 in both trainers; in the matched comparisons ours gets speculators' position numbers "
+                 "(from 1; RoPE is relative, so only rounding changes)." if args.float64 else ""), ""]
     worst_grad, worst_logit, summary = 0.0, 0.0, {}
     matched_drafter = copy.deepcopy(drafter)
     matched_drafter.cfg = dataclasses.replace(drafter.cfg, skip_out_of_draft=False)
+    if args.float64:  # speculators numbers a position by its token's (shift_batch), ours by its feature's: t + 1
+        batches = [({**batch, "position_ids": batch["position_ids"] + 1}, feats) for batch, feats in batches]
     for i, (batch, feats) in enumerate(batches):
         theirs = load_file(str(out / f"speculators-matched-{i}.safetensors"))
         ours = our_step(matched_drafter, batch, feats)
@@ -419,11 +427,19 @@ def main(argv=None) -> int:
 
     theirs = load_file(str(out / "speculators-benched.safetensors"))
     both = collate([train[r] for r in rows])
-    ours = our_step(copy.deepcopy(drafter), both, features_with_last(verifier, layer_ids, both)[0])
+    both_feats = features_with_last(verifier, layer_ids, both)[0]
+    ours = our_step(copy.deepcopy(drafter), both, both_feats)
+    no_skip = our_step(copy.deepcopy(matched_drafter), both, both_feats)
     steps, _ = step_table(ours, theirs, matched=False, docs=len(rows))
-    grads, _ = grad_table(ours, theirs)
-    summary["benched"] = {"cosine": {n: cosine(g, theirs[f"grad.{n}"]) for n, g in ours["grads"].items()
-                                     if f"grad.{n}" in theirs}}
+    grads = ["| parameter | cosine, ours (defaults) | cosine, ours (skip_out_of_draft=false) |", "|---|---:|---:|"]
+    summary["benched"] = {}
+    for name, g in ours["grads"].items():
+        if f"grad.{name}" not in theirs:
+            grads.append(f"| {name} | (frozen in speculators) | |")
+            continue
+        pair = cosine(g, theirs[f"grad.{name}"]), cosine(no_skip["grads"][name], theirs[f"grad.{name}"])
+        grads.append(f"| {name} | {pair[0]:.5f} | {pair[1]:.5f} |")
+        summary["benched"][name] = pair
     report += ["## As benched, the rows together", "",
                "Ours with its defaults (eagle.skip_out_of_draft=true: no loss where the verifier's argmax is outside "
                "the draft vocabulary; lm_head trained), one row per document; speculators as the bench runs it (the "
@@ -431,7 +447,8 @@ def main(argv=None) -> int:
                "speculators trains beyond ours with skip_out_of_draft off (one target after each document's last "
                "token, and `step` chains per document boundary reading on into the next document); accounted: "
                "its positions are ours with skip_out_of_draft off plus that.", "", *steps, "",
-               *grads, ""]
+               "Cosine of each parameter's gradient with speculators', ours with its defaults and ours with "
+               "skip_out_of_draft off (then the positions differ only by the extra ones above):", "", *grads, ""]
     verdict = (f"Matched: max rel gradient difference {worst_grad:.1e}, max abs logit difference {worst_logit:.1e}: "
                + ("the two trainers compute the same step." if worst_grad <= args.tol else
                   f"ABOVE the tolerance {args.tol:g}: the trainers differ."))

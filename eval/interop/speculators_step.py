@@ -11,7 +11,7 @@ its `CollateFn` with `shift_batch` (rows packed into one sequence with document 
 call, `model(**batch, **train_call_kwargs)`, and the optimizer is `build_optimizers` plus the trainer's clipping
 (`clip_grad_norm_(..., 1.0)`). The CPU patches are the bench runner's (speculators_runner.patch_for_cpu).
 
-REQUEST.json: {flags: [speculators train flags], weights: init.safetensors (speculators key names), seq_len,
+REQUEST.json: {flags: [speculators train flags], weights: init.safetensors (speculators key names), seq_len, dtype,
 cases: [{name, data: a folder in speculators' offline layout, lm_head_trainable: bool, optimizer_steps: int,
 lr: float}], out: folder}. For each case it writes OUT/speculators-NAME.safetensors: `grad.P` for every parameter
 with a gradient, `logits.K` (n_K, Vd) and `mask.K` (n_K,) as the step's loss sees them (aligned by speculators'
@@ -58,6 +58,8 @@ def main(argv: list[str]) -> int:
     model_class = SpeculatorModel.registry["eagle3"]
     model = cli.build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
     train_kwargs, _ = model_class.get_trainer_kwargs(**vars(args))
+    dtype = getattr(torch, request.get("dtype", "float32"))  # float64: the rounding-free comparison
+    model.to(dtype)
     weights = load_file(request["weights"])
     hidden_size = model.config.transformer_layer_config.hidden_size
 
@@ -79,10 +81,10 @@ def main(argv: list[str]) -> int:
         model.lm_head.weight.requires_grad_(bool(case["lm_head_trainable"]))  # speculators freezes it
         model.train()
         dataset = ArrowDataset(max_len=request["seq_len"] * 64, datapath=case["data"], on_missing="raise",
-                               train_ratio=1.0, split="train", hidden_states_dtype=torch.float32)
+                               train_ratio=1.0, split="train", hidden_states_dtype=dtype)
         items = [dataset[i] for i in range(len(dataset))]
         max_len = request["seq_len"] * len(items)  # the bench packs --batch documents into batch x seq_len
-        batch = CollateFn(max_len, hidden_size, len(model.target_layer_ids), torch.float32, shift_batch)(items)
+        batch = CollateFn(max_len, hidden_size, len(model.target_layer_ids), dtype, shift_batch)(items)
         optimizers = build_optimizers(model, argparse.Namespace(optimizer="adamw", lr=case.get("lr", args.lr),
                                                                 weight_decay=args.weight_decay))
         tensors: dict[str, torch.Tensor] = {}
