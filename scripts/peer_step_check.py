@@ -7,7 +7,9 @@ its argmax accuracy, then each parameter's gradient difference, and the weights 
 
 (without --docs it writes the bench's documents into OUT first). Settings are the peer bench's
 (scripts/bench_peers.py): its layer ids and draft vocabulary, OUR d2t/t2d map (counted from the bench's training rows
-by our trainer's own `draft_vocab_counts`), 7 TTT steps, decay 0.8, plain EAGLE-3, fp32, one thread.
+by our trainer's own `draft_vocab_counts`), 7 TTT steps, decay 0.8, plain EAGLE-3, float32, one thread. --float64
+runs both trainers in float64 and gives ours speculators' position numbers (from 1; RoPE is relative, so only the
+rounding changes): what differs then is the rounding of the float32 steps both keep.
 
   1. weights: our drafter as `build_drafter` starts it (seed --seed), its four norms then scaled by
      1 + perturb * N(0, 1) so that no two are alike (or, with --drafter, a trained export of ours, where the
@@ -32,11 +34,14 @@ Two comparisons:
      differ by what the design says (`expected_extra`); the gradients are compared by cosine.
 Then --optimizer-steps AdamW steps on the matched batch with the same hyperparameters in both (lr 6e-3 constant,
 betas (0.9, 0.999), weight decay 0, clipping at 1.0: ours `build_optimizer` + `clip_grad_norm_`, speculators'
-`build_optimizers` + its trainer's clipping), and the weights compared after each.
+`build_optimizers` + its trainer's clipping), and the weights compared after each; and one step of our optimizer
+fed speculators' gradients, against speculators' own step.
 
 Loss values: ours trains the soft cross-entropy -sum p log q, speculators the KL, which is that minus the entropy of
 the verifier's distribution p (no gradient); the table gives both as KL (ours: its step loss minus the mean entropy
-of p over its trained positions). "rel" is max|g_ours - g_theirs| / max|g_ours| per parameter.
+of p over its trained positions). "rel" is max|g_ours - g_theirs| / max|g_ours| per parameter. The report goes to
+stdout and OUT/report.md (numbers in OUT/summary.json); exit status 1 when a matched gradient differs by more than
+--tol.
 """
 
 from __future__ import annotations
@@ -374,7 +379,8 @@ def main(argv=None) -> int:
     # our side, and the report
     report = [f"# One training step, ours against speculators 0.9.0 ({args.verifier})", "",
               f"layer ids {layer_ids}, draft vocabulary {vocab} (our d2t/t2d), {bench.TTT} TTT steps, decay "
-              f"{bench.DECAY}, {str(dtype).removeprefix('torch.')}; rows {rows} of our training rows from {docs} (one document each, "
+              f"{bench.DECAY}, {str(dtype).removeprefix('torch.')}; rows {rows} of our training rows from {docs} "
+              f"(one document each, "
               f"{[len(d['input_ids']) for d in documents]} tokens); weights: {start}."
               + (" Float64 in both trainers; in the matched comparisons ours gets speculators' position numbers "
                  "(from 1; RoPE is relative, so only rounding changes)." if args.float64 else ""), ""]
