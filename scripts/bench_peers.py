@@ -152,6 +152,13 @@ def our_rows(tokenizer, docs: Path, rows: int, seq_len: int) -> list[dict]:
     return out
 
 
+def drafter_settings(verifier) -> tuple[list[int], int]:
+    """(layer ids, draft vocabulary size) every trainer of the bench uses on `verifier`: vLLM's default layers on a
+    shallow verifier, else 2, 4 and the last layer's input; half the vocabulary, at most 2048."""
+    layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
+    return layer_ids, min(2048, verifier.vocab_size // 2)
+
+
 # ---- 3. features in the peers' formats -----------------------------------------------------------------------------
 @torch.no_grad()
 def row_features(verifier, ids: torch.Tensor, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,24 +251,30 @@ def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: st
                f"({packing.replace('_', '-')}){extra}"})
 
 
+def speculators_flags(args, data: Path, layer_ids, vocab: int, save: Path, logs: Path) -> list[str]:
+    """speculators' `train` flags for the bench's run (scripts/peer_step_check.py builds its model from them)."""
+    per_step = args.batch * args.seq_len
+    return ["--verifier-name-or-path", str(args.verifier_path), "--data-path", str(data),
+            "--speculator-type", "eagle3", "--num-layers", "1", "--draft-arch", "llama",
+            "--target-layer-ids", *map(str, layer_ids), "--draft-vocab-size", str(vocab),
+            "--d2t-path", str(data / f"d2t-{vocab}.npy"), "--t2d-path", str(data / f"t2d-{vocab}.npy"),
+            "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",  # plain EAGLE-3, as ours
+            "--sliding-window", str(args.seq_len * 4), "--draft-attn-impl", "sdpa",
+            "--loss-implementation", "eager", "--num-workers", "0", "--hidden-states-dtype", "float32",
+            "--total-seq-len", str(per_step),
+            "--train-data-ratio", str((args.rows + 0.5) / (args.rows + SPECULATORS_VAL_ROWS)), "--ttt-steps", str(TTT),
+            "--ttt-step-loss-decay", str(DECAY), "--optimizer", "adamw", "--lr", str(LR), "--weight-decay", "0.0",
+            "--scheduler-type", "cosine", "--scheduler-warmup-ratio", str(WARMUP), "--epochs", str(args.epochs),
+            "--save-path", str(save), "--no-resume-from-checkpoint",
+            "--log-dir", str(logs), "--seed", str(args.seed)]
+
+
 def train_speculators(args, out: Path, data: Path, layer_ids, vocab: int, tokens: int, name: str) -> dict:
     python = ROOT / ".venv-speculators/bin/python"
     save = out / "speculators-run"
     report = out / "speculators-report.json"
     per_step = args.batch * args.seq_len
-    flags = ["--verifier-name-or-path", str(args.verifier_path), "--data-path", str(data),
-             "--speculator-type", "eagle3", "--num-layers", "1", "--draft-arch", "llama",
-             "--target-layer-ids", *map(str, layer_ids), "--draft-vocab-size", str(vocab),
-             "--d2t-path", str(data / f"d2t-{vocab}.npy"), "--t2d-path", str(data / f"t2d-{vocab}.npy"),
-             "--no-norm-before-residual", "--no-norm-before-fc", "--no-norm-output",  # plain EAGLE-3, as ours
-             "--sliding-window", str(args.seq_len * 4), "--draft-attn-impl", "sdpa",
-             "--loss-implementation", "eager", "--num-workers", "0", "--hidden-states-dtype", "float32",
-             "--total-seq-len", str(per_step),
-             "--train-data-ratio", str((args.rows + 0.5) / (args.rows + SPECULATORS_VAL_ROWS)), "--ttt-steps", str(TTT),
-             "--ttt-step-loss-decay", str(DECAY), "--optimizer", "adamw", "--lr", str(LR), "--weight-decay", "0.0",
-             "--scheduler-type", "cosine", "--scheduler-warmup-ratio", str(WARMUP), "--epochs", str(args.epochs),
-             "--save-path", str(save), "--no-resume-from-checkpoint",
-             "--log-dir", str(out / "speculators-logs"), "--seed", str(args.seed)]
+    flags = speculators_flags(args, data, layer_ids, vocab, save, out / "speculators-logs")
     cmd = [str(python), str(ROOT / "eval/interop/speculators_runner.py"), str(report), "--", *flags]
     key = run_key(args, out, cmd)
     if (result := reused(args, out, name, key)) is not None:
@@ -404,8 +417,7 @@ def main(argv=None) -> int:
     args.verifier_path = resolve_verifier(args.verifier)
     verifier = Verifier.from_pretrained(args.verifier_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)
-    layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
-    vocab = min(2048, verifier.vocab_size // 2)
+    layer_ids, vocab = drafter_settings(verifier)
     rows = our_rows(tokenizer, write_docs_jsonl(tokenizer, args.rows, args.seq_len, args.batch, out), args.rows,
                     args.seq_len)
     args.rows = len(rows)  # the stdlib split may hold fewer usable files than asked for

@@ -49,7 +49,8 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     chain_k = torch.stack([per_head(k) for k in keys[1:]], dim=3)  # (B, nh, T, k, d)
     chain_v = torch.stack([per_head(v) for v in values[1:]], dim=3)
     own = torch.einsum("bhtd,bhtkd->bhtk", q, chain_k) * scale  # (B, nh, T, k): q_t . k_{j,t}
-    p = torch.softmax(torch.cat([prefix, own], dim=-1).float(), dim=-1).to(q.dtype)  # (B, nh, T, T + k)
+    exact = torch.promote_types(q.dtype, torch.float32)  # softmax in float32 (float64 inputs: float64)
+    p = torch.softmax(torch.cat([prefix, own], dim=-1).to(exact), dim=-1).to(q.dtype)  # (B, nh, T, T + k)
     return p[..., :T] @ per_head(values[0]) + torch.einsum("bhtk,bhtkd->bhtd", p[..., T:], chain_v)
 
 
@@ -63,7 +64,8 @@ class _PrefixFlashTTT(torch.autograd.Function):
     prefix's dq, dK_0, dV_0 exactly; the chain's terms are written out (dS = P * (dP - rowsum(dO * out))).
     Against autograd over `ttt_attention`'s lines this skips, per step, the (T, T) score and probability matrices
     (scaled, masked, concatenated with the chain's scores, and sliced again in the gradient) and the chain's GQA
-    copies: about 2.5x less time on a CPU. The chain (k small) is a loop of elementwise products, in float32.
+    copies: about 2.5x less time on a CPU. The chain (k small) is a loop of elementwise products, in float32
+    (float64 for float64 inputs, so that a float64 unroll is exact).
     """
 
     @staticmethod
@@ -75,15 +77,16 @@ class _PrefixFlashTTT(torch.autograd.Function):
         v0e = v0.repeat_interleave(G, dim=1) if G > 1 else v0
         o0, lse0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k0e, v0e, 0.0, bias is None, attn_mask=bias, scale=scale)  # (B, nh, T, d), (B, nh, T) float32
-        q5 = q.float().view(B, nkv, G, T, d)  # heads h = j * G + g share kv head j
-        own = torch.stack([(q5 * k.float()[:, :, None]).sum(-1) for k in chain[:n]], -1).mul_(scale)  # (B,nkv,G,T,k)
+        exact = torch.promote_types(q.dtype, torch.float32)
+        q5 = q.to(exact).view(B, nkv, G, T, d)  # heads h = j * G + g share kv head j
+        own = torch.stack([(q5 * k.to(exact)[:, :, None]).sum(-1) for k in chain[:n]], -1).mul_(scale)  # (B,nkv,G,T,k)
         lse0 = lse0.view(B, nkv, G, T)
         lse = torch.logaddexp(lse0, torch.logsumexp(own, -1))
         weight0 = (lse0 - lse).exp_()  # the prefix block's share of the softmax
         p_own = own.sub_(lse[..., None]).exp_()
-        out = o0.float().view(B, nkv, G, T, d) * weight0[..., None]
+        out = o0.to(exact).view(B, nkv, G, T, d) * weight0[..., None]
         for j, v in enumerate(chain[n:]):
-            out += p_own[..., j, None] * v.float()[:, :, None]
+            out += p_own[..., j, None] * v.to(exact)[:, :, None]
         out = out.view(B, nh, T, d).to(q.dtype)
         ctx.save_for_backward(q, bias, k0e, v0e, lse0, weight0, p_own, out, *chain)
         ctx.kv_dtypes = k0.dtype, v0.dtype
@@ -96,17 +99,18 @@ class _PrefixFlashTTT(torch.autograd.Function):
         n, scale = len(chain) // 2, d ** -0.5
         nkv = chain[0].shape[1]
         G = nh // nkv
-        d5 = d_out.float().reshape(B, nkv, G, T, d)
+        exact = torch.promote_types(q.dtype, torch.float32)
+        d5 = d_out.to(exact).reshape(B, nkv, G, T, d)
         upstream = (d5 * weight0[..., None]).view(B, nh, T, d).to(q.dtype)
         dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             upstream, q, k0e, v0e, out, lse0.view(B, nh, T), 0.0, bias is None, attn_mask=bias, scale=scale)
         if G > 1:  # the GQA copies' gradients, summed back onto their kv head
             dk0, dv0 = dk0.view(B, nkv, G, T, d).sum(2), dv0.view(B, nkv, G, T, d).sum(2)
-        rows = (d5 * out.float().view(B, nkv, G, T, d)).sum(-1)  # rowsum(dO * out), (B, nkv, G, T)
-        q5, dq5 = q.float().view(B, nkv, G, T, d), dq.float().view(B, nkv, G, T, d)
+        rows = (d5 * out.to(exact).view(B, nkv, G, T, d)).sum(-1)  # rowsum(dO * out), (B, nkv, G, T)
+        q5, dq5 = q.to(exact).view(B, nkv, G, T, d), dq.to(exact).view(B, nkv, G, T, d)
         d_keys, d_values = [], []
         for j in range(n):
-            k, v, p = chain[j].float()[:, :, None], chain[n + j].float()[:, :, None], p_own[..., j]
+            k, v, p = chain[j].to(exact)[:, :, None], chain[n + j].to(exact)[:, :, None], p_own[..., j]
             d_values.append((p[..., None] * d5).sum(2).to(chain[n + j].dtype))
             ds = ((d5 * v).sum(-1) - rows) * p * scale  # (B, nkv, G, T)
             dq5 += ds[..., None] * k

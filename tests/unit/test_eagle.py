@@ -76,8 +76,9 @@ def test_ttt_mask_matches_its_definition():
 
 
 @pytest.mark.parametrize("nkv", [4, 2])  # MHA and GQA
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_ttt_attention_equals_sdpa_with_the_ttt_mask(nkv, dtype):
+    """Within float32 rounding (float64 inputs: float64's, so a float64 drafter's unroll is exact)."""
     g = torch.Generator().manual_seed(0)
     B, nh, T, d = 2, 4, 7, 8
     for step in (1, 3):
@@ -86,16 +87,18 @@ def test_ttt_attention_equals_sdpa_with_the_ttt_mask(nkv, dtype):
         values = [torch.randn(B, nkv, T, d, generator=g).to(dtype).requires_grad_() for _ in range(step + 1)]
         fast = ttt_attention(q, keys, values)
         rep = nh // nkv
+        exact = torch.promote_types(dtype, torch.float32)  # the reference's precision
         reference = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), torch.cat(keys, 2).float().repeat_interleave(rep, 1),
-            torch.cat(values, 2).float().repeat_interleave(rep, 1), attn_mask=ttt_attention_mask(T, step))
-        tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
-        torch.testing.assert_close(fast.float(), reference, **tol)
-        weights = torch.randn(reference.shape, generator=g)
-        grads = torch.autograd.grad((fast.float() * weights).sum(), [q, *keys, *values])
+            q.to(exact), torch.cat(keys, 2).to(exact).repeat_interleave(rep, 1),
+            torch.cat(values, 2).to(exact).repeat_interleave(rep, 1), attn_mask=ttt_attention_mask(T, step))
+        tol = {torch.float32: dict(rtol=0, atol=1e-5), torch.bfloat16: dict(rtol=0.02, atol=0.02),
+               torch.float64: dict(rtol=0, atol=1e-12)}[dtype]
+        torch.testing.assert_close(fast.to(exact), reference, **tol)
+        weights = torch.randn(reference.shape, generator=g, dtype=exact)
+        grads = torch.autograd.grad((fast.to(exact) * weights).sum(), [q, *keys, *values])
         expected = torch.autograd.grad((reference * weights).sum(), [q, *keys, *values])
         for got, want in zip(grads, expected):
-            torch.testing.assert_close(got.float(), want.float(), **({**tol, "atol": tol["atol"] * 5}))
+            torch.testing.assert_close(got.to(exact), want.to(exact), **({**tol, "atol": tol["atol"] * 5}))
 
 
 def slow_ttt(drafter, ids, hidden, steps):
