@@ -14,6 +14,8 @@
 # DFLASH_EXTRA_WINDOWS="8:8 16:16" also trains DFlash at block 8 with a first-layer window of 8 (label b8w8), ...:
 # with the config's window of 4, block positions 4 and later see only mask tokens in the first layer
 # (docs/dflash.md#positions-past-the-window).
+# DFLASH_EXTRA_LAYERS="4:3" also trains DFlash at block 4 with 3 layers (label b4l3): the first sliding as in the
+# config, the others full; the target layers then default to one per drafter layer.
 #
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
@@ -22,6 +24,11 @@ EXTRA_WINDOWS=${DFLASH_EXTRA_WINDOWS:-}
 for pair in $EXTRA_WINDOWS; do
   [[ $pair =~ ^[0-9]+:[0-9]+$ ]] || { echo "DFLASH_EXTRA_WINDOWS: '$pair': expected BLOCK:WINDOW pairs of" \
     "integers separated by spaces, e.g. '8:8 16:16'" >&2; exit 2; }
+done
+EXTRA_LAYERS=${DFLASH_EXTRA_LAYERS:-}
+for pair in $EXTRA_LAYERS; do
+  [[ $pair =~ ^[0-9]+:([2-9]|[1-9][0-9]+)$ ]] || { echo "DFLASH_EXTRA_LAYERS: '$pair': expected BLOCK:LAYERS pairs" \
+    "of integers (2 layers or more) separated by spaces, e.g. '4:3'" >&2; exit 2; }
 done
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
@@ -74,6 +81,15 @@ for pair in $EXTRA_WINDOWS; do
     --dflash.sliding_window="$w" --dflash.targets=data
   DFLASH+=("b${b}w$w=$DIR/dflash-b${b}w$w/drafter")
   LABELS+=("dflash-b${b}w$w")
+done
+for pair in $EXTRA_LAYERS; do
+  b=${pair%:*} n=${pair#*:}
+  types=sliding_attention
+  for ((i = 1; i < n; i++)); do types+=,full_attention; done
+  train "dflash-b${b}l$n" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
+    --dflash.num_hidden_layers="$n" --dflash.layer_types="[$types]" --dflash.targets=data
+  DFLASH+=("b${b}l$n=$DIR/dflash-b${b}l$n/drafter")
+  LABELS+=("dflash-b${b}l$n")
 done
 wait
 for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log

@@ -1,5 +1,5 @@
-"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS in one line, before it sets anything up or
-trains anything."""
+"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS or DFLASH_EXTRA_LAYERS in one line, before it
+sets anything up or trains anything."""
 
 import os
 import subprocess
@@ -20,4 +20,18 @@ def test_malformed_extra_windows_are_refused_in_one_line(tmp_path, value, bad):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (f"DFLASH_EXTRA_WINDOWS: '{bad}': expected BLOCK:WINDOW pairs of integers "
                                    "separated by spaces, e.g. '8:8 16:16'")
+    assert proc.stdout == "" and not out.exists()
+
+
+@pytest.mark.parametrize("value, bad", [("4:3 8", "8"), ("4:1", "4:1"), ("4:0", "4:0"), ("4-3", "4-3"),
+                                        ("4:l3", "4:l3")])
+def test_malformed_extra_layers_are_refused_in_one_line(tmp_path, value, bad):
+    out = tmp_path / "bench"
+    env = {**os.environ, "DFLASH_EXTRA_LAYERS": value, "DFLASH_DIR": str(out),
+           "DFLASH_VERIFIER": str(tmp_path / "no-verifier")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts/bench_dflash.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"DFLASH_EXTRA_LAYERS: '{bad}': expected BLOCK:LAYERS pairs of integers "
+                                   "(2 layers or more) separated by spaces, e.g. '4:3'")
     assert proc.stdout == "" and not out.exists()
