@@ -182,22 +182,34 @@ def dump_speculators(rows, verifier, layer_ids, d2t, t2d, out: Path) -> None:
     """speculators' offline layout: an Arrow dataset (input_ids, loss_mask, seq_len) saved to disk, and
     hidden_states/hs_i.safetensors {hidden_states (T, 4, H): the three layers then the last pre-norm state,
     token_ids (T,)}; the vocabulary maps as d2t-Vd.npy / t2d-Vd.npy."""
+    def with_features():  # one row's features at a time: a large verifier's would not fit in memory together
+        for row in rows + rows[:SPECULATORS_VAL_ROWS]:
+            aux, last, _ = row_features(verifier, row["input_ids"], layer_ids)
+            yield {**row, "hidden_states": torch.cat([aux, last[:, None]], 1)}
+
+    write_speculators_data(out, with_features(), d2t, t2d)
+
+
+def write_speculators_data(out: Path, docs, d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
+    """Write `docs` (an iterable of {input_ids (T,), loss_mask (T,), hidden_states (T, 4, H)}) in speculators'
+    offline layout under `out`: hidden_states/hs_i.safetensors {hidden_states, token_ids} per document as it comes,
+    then the Arrow dataset (input_ids, loss_mask, seq_len) and the maps d2t-Vd.npy / t2d-Vd.npy."""
     import datasets
     import numpy as np
     from safetensors.torch import save_file
 
-    rows = rows + rows[:SPECULATORS_VAL_ROWS]
     (out / "hidden_states").mkdir(parents=True, exist_ok=True)
-    for i, row in enumerate(rows):
-        aux, last, _ = row_features(verifier, row["input_ids"], layer_ids)
-        save_file({"hidden_states": torch.cat([aux, last[:, None]], 1).contiguous(),
-                   "token_ids": row["input_ids"].contiguous()}, str(out / "hidden_states" / f"hs_{i}.safetensors"))
-    datasets.Dataset.from_dict({"input_ids": [r["input_ids"].tolist() for r in rows],
-                                "loss_mask": [r["loss_mask"].tolist() for r in rows],
-                                "seq_len": [len(r["input_ids"]) for r in rows]}).with_format("torch") \
-        .save_to_disk(str(out))
+    columns = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i, doc in enumerate(docs):
+        save_file({"hidden_states": doc["hidden_states"].contiguous(), "token_ids": doc["input_ids"].contiguous()},
+                  str(out / "hidden_states" / f"hs_{i}.safetensors"))
+        columns["input_ids"].append(doc["input_ids"].tolist())
+        columns["loss_mask"].append(doc["loss_mask"].tolist())
+        columns["seq_len"].append(len(doc["input_ids"]))
+    datasets.Dataset.from_dict(columns).with_format("torch").save_to_disk(str(out))
     np.save(out / f"d2t-{d2t.numel()}.npy", d2t.numpy())
     np.save(out / f"t2d-{d2t.numel()}.npy", t2d.numpy())
+    return out
 
 
 def dump_specforge(rows, verifier, layer_ids, d2t, t2d, out: Path) -> None:

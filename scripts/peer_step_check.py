@@ -122,26 +122,6 @@ def features_with_last(verifier, layer_ids, batch):
     return feats, seen["last"]
 
 
-def write_speculators_data(folder: Path, docs: list[dict], d2t: torch.Tensor, t2d: torch.Tensor) -> Path:
-    """speculators' offline layout, as the bench writes it: an Arrow dataset (input_ids, loss_mask, seq_len), one
-    hidden_states/hs_i.safetensors {hidden_states (T, 4, H), token_ids (T,)} per document, d2t/t2d .npy."""
-    import datasets
-    import numpy as np
-    from safetensors.torch import save_file
-
-    (folder / "hidden_states").mkdir(parents=True, exist_ok=True)
-    for i, doc in enumerate(docs):
-        save_file({"hidden_states": doc["hidden_states"].contiguous(), "token_ids": doc["input_ids"].contiguous()},
-                  str(folder / "hidden_states" / f"hs_{i}.safetensors"))
-    datasets.Dataset.from_dict({"input_ids": [d["input_ids"].tolist() for d in docs],
-                                "loss_mask": [d["loss_mask"].tolist() for d in docs],
-                                "seq_len": [len(d["input_ids"]) for d in docs]}).with_format("torch") \
-        .save_to_disk(str(folder))
-    np.save(folder / f"d2t-{d2t.numel()}.npy", d2t.numpy())
-    np.save(folder / f"t2d-{d2t.numel()}.npy", t2d.numpy())
-    return folder
-
-
 def our_step(drafter, batch, feats) -> dict:
     """One step of our trainer on `batch`: loss, per-step losses (soft cross-entropy), trained positions and their
     targets' entropy, per-step logits and argmax accuracy, and the gradients. The same calls train/eagle.py makes."""
@@ -356,12 +336,12 @@ def main(argv=None) -> int:
     # the speculators side: one request, every case
     bench_args = SimpleNamespace(verifier_path=verifier_path, batch=len(rows), seq_len=args.seq_len, rows=len(rows),
                                  epochs=1, seed=args.seed)
-    raw = write_speculators_data(out / "data-benched", documents, drafter.d2t.cpu(), drafter.t2d.cpu())
+    raw = bench.write_speculators_data(out / "data-benched", documents, drafter.d2t.cpu(), drafter.t2d.cpu())
     flags = bench.speculators_flags(bench_args, raw, layer_ids, vocab, out / "speculators-save", out / "logs")
     cases = [{"name": "benched", "data": str(raw), "lm_head_trainable": False}]
     for i, doc in enumerate(documents):
         shifted = {**doc, "loss_mask": ours_rule_mask(doc["loss_mask"])}
-        data = write_speculators_data(out / f"data-matched-{i}", [shifted], drafter.d2t.cpu(), drafter.t2d.cpu())
+        data = bench.write_speculators_data(out / f"data-matched-{i}", [shifted], drafter.d2t.cpu(), drafter.t2d.cpu())
         cases.append({"name": f"matched-{i}", "data": str(data), "lm_head_trainable": True,
                       "optimizer_steps": args.optimizer_steps if i == 0 else 0, "lr": OPT_LR})
     request = {"flags": flags, "weights": str(out / "init.safetensors"), "seq_len": args.seq_len, "cases": cases,
