@@ -55,7 +55,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batch", type=int, default=4, help="rows (documents) per optimizer step, for every trainer")
     p.add_argument("--seed", type=int, default=0, help="every trainer's seed")
-    p.add_argument("--flags", default="", help="extra options for our trainer, split as a shell would, e.g. '--data.packing=stream'")
+    p.add_argument("--flags", default="",
+                   help="extra options for our trainer, split as a shell would, e.g. '--data.packing=stream'")
     args = p.parse_args(argv)
     try:
         flags = tuple(shlex.split(args.flags))
@@ -74,8 +75,7 @@ def main(argv=None) -> int:
     args.verifier_path = resolve_verifier(args.verifier)
     verifier = Verifier.from_pretrained(args.verifier_path, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(verifier.path)
-    layer_ids = verifier.default_eagle3_layers() if verifier.num_layers < 8 else [2, 4, verifier.num_layers - 1]
-    vocab = min(2048, verifier.vocab_size // 2)
+    layer_ids, vocab = peers.drafter_settings(verifier)
     rows = peers.our_rows(tokenizer, peers.write_docs_jsonl(tokenizer, args.rows, args.seq_len, args.batch, out), args.rows,
                           args.seq_len)
     args.rows = len(rows)
