@@ -142,8 +142,7 @@ def our_step(drafter, batch, feats) -> dict:
         steps = []
         for k, hidden in enumerate(outs):
             n = T - 2 - k
-            scored = drafter.trained_mask(batch["loss_mask"], positions, k)
-            trained = scored & in_draft[:, 1 + k:T - 1] if drafter.cfg.skip_out_of_draft else scored
+            scored, trained = drafter.loss_positions(batch["loss_mask"], positions, in_draft, k)
             logp = target_logp[:, 1 + k:T - 1]
             entropy = -(logp.exp() * logp).sum(-1)
             logits = drafter.logits(hidden[:, :n])

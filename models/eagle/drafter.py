@@ -439,6 +439,16 @@ class Eagle3Drafter(EagleDrafter):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_to_target(draft_ids, self.d2t)
 
+    def loss_positions(self, loss_mask: torch.Tensor, position_ids: torch.Tensor | None, in_draft: torch.Tensor,
+                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scored, trained), each (B, T-2-k) bool, at TTT step k: the positions `trained_mask` scores, and those of
+        them the loss trains (with eagle.skip_out_of_draft, not where the verifier's argmax, `in_draft` (B, T) from
+        `draft_targets`, is outside the draft vocabulary)."""
+        scored = self.trained_mask(loss_mask, position_ids, k)
+        if not self.cfg.skip_out_of_draft:
+            return scored, scored
+        return scored, scored & in_draft[:, 1 + k:loss_mask.shape[1] - 1]
+
     def training_loss(self, input_ids, features, loss_mask, position_ids=None) -> EagleOutput:
         B, T = input_ids.shape
         if len(features.layers) != 3:
@@ -468,8 +478,7 @@ class Eagle3Drafter(EagleDrafter):
                 step_alpha.append(zero)
                 continue
             logits = self.logits(out[:, :n])  # (B, n, Vd)
-            scored = self.trained_mask(loss_mask, position_ids, k)  # (B, n)
-            trained = scored & in_draft[:, 1 + k:T - 1] if self.cfg.skip_out_of_draft else scored
+            scored, trained = self.loss_positions(loss_mask, position_ids, in_draft, k)  # (B, n)
             if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
                 kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
