@@ -117,7 +117,10 @@ def main(argv=None) -> dict:
     results = {}
     for spec in args.drafter:
         label, _, folder = spec.partition("=")
-        drafter = load_eagle(folder, verifier).float().eval()
+        try:
+            drafter = load_eagle(folder, verifier).float().eval()
+        except ValueError as err:  # DrafterFormatError, EagleError: a folder that is not an EAGLE-3 export
+            raise SystemExit(f"[chain_accuracy] --drafter {spec}: {err}") from None
         hits = {}  # one verifier forward and one unroll per sequence, shared by every set that scores it
         for name, (seqs, masks) in sets.items():
             for ids in seqs:

@@ -306,7 +306,10 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     drafter = build_drafter(verifier, cfg, token_counts=counts, dtype=dtype)
     if args.drafter:  # its weights, in a drafter built as above (its d2t/t2d must be the bench's map)
-        trained = load_eagle(args.drafter, verifier)
+        try:
+            trained = load_eagle(args.drafter, verifier)
+        except ValueError as err:  # DrafterFormatError, EagleError: a folder that is not an EAGLE-3 export
+            raise SystemExit(f"[peer_step_check] --drafter {args.drafter}: {err}") from None
         if not torch.equal(trained.d2t.cpu(), drafter.d2t.cpu()) or trained.layer_ids != drafter.layer_ids:
             raise SystemExit(f"[peer_step_check] --drafter {args.drafter}: its layer ids or draft vocabulary differ "
                              f"from the bench's on {docs} (layer ids {layer_ids}, our map of {vocab} tokens)")
