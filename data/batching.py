@@ -48,6 +48,7 @@ import torch
 
 from draftheads.data.chat import resolve_chat_template, tokenize_chats
 from draftheads.data.config import DataConfig, DataError, DataWarning
+from draftheads.data.documents import join_padding
 from draftheads.data.documents import packed_positions
 from draftheads.data.progress import datasets_progress
 from draftheads.data.sources import RowError, SkipCounter, train_and_heldout
@@ -293,7 +294,10 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int = 0) -> tuple[datasets.
 
 def collate(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Rows (tensors or lists of length T) -> {input_ids, attention_mask, loss_mask, position_ids}: (B, T)
-    LongTensors."""
+    LongTensors; each row's right padding joins its last document (`data.documents.join_padding`: a row of one
+    document then attends causally, the fast path, with nothing changed for its real tokens)."""
     if not rows:
         raise ValueError("collate: empty batch")
-    return {key: torch.stack([torch.as_tensor(row[key]) for row in rows]).long() for key in BATCH_KEYS}
+    batch = {key: torch.stack([torch.as_tensor(row[key]) for row in rows]).long() for key in BATCH_KEYS}
+    batch["position_ids"] = join_padding(batch["position_ids"], batch["attention_mask"])
+    return batch

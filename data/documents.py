@@ -52,6 +52,27 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return restarts(position_ids).long().cumsum(-1) - 1
 
 
+def join_padding(position_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) position_ids with each row's right padding (the positions after its last real token) counting on from
+    that token, so that the padding joins the row's last document instead of being a document of its own.
+
+    Nothing computed for a real token changes: no real token attends to a later position, and padding is never a
+    target (its loss_mask is 0). What changes is that a row holding one document reads as unpacked (`is_packed`),
+    so attention over it takes the causal fast path (SDPA's is_causal, the flash kernel without a mask) instead of
+    a (B, 1, T, T) document mask, in the verifier's feature forward and in the drafter alike. The batch collators
+    apply it; the rows on disk keep the padding as a document of its own. A row whose attention_mask is not ones
+    then zeros (not right-padded), or that is all padding, is returned as it is."""
+    real = attention_mask.bool()
+    B, T = real.shape
+    index = torch.arange(T, device=position_ids.device)
+    n = real.sum(1)  # (B,) real tokens: a prefix of the row when right-padded
+    right_padded = ((index[None, :] < n[:, None]) == real).all(1) & (n > 0)
+    last = (n - 1).clamp(min=0)[:, None]
+    counted_on = position_ids.gather(1, last) + (index[None, :] - last)  # the last token's position, counting on
+    tail = (index[None, :] >= n[:, None]) & right_padded[:, None]
+    return torch.where(tail, counted_on.to(position_ids.dtype), position_ids)
+
+
 def is_packed(position_ids: torch.Tensor | None) -> bool:
     """Whether any row holds more than one document (a host sync: one small reduction)."""
     return position_ids is not None and bool(restarts(position_ids)[:, 1:].any())

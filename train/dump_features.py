@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from draftheads.data.batching import build_datasets
+from draftheads.data.documents import join_padding
 from draftheads.data.hidden_states import (
     FEATURE_DTYPES,
     FORMAT,
@@ -194,7 +195,8 @@ def _run_verifier(verifier, rows: dict, layer_ids: list[int], dtype: torch.dtype
     for i in range(0, len(ids), micro):
         b_ids = ids[i:i + micro].to(verifier.device)
         b_attn = attn[i:i + micro].to(verifier.device)
-        b_pos = positions[i:i + micro].to(verifier.device)  # packed rows: restarting per document
+        # packed rows: restarting per document; the padding joins the last one (the causal fast path)
+        b_pos = join_padding(positions[i:i + micro].to(verifier.device), b_attn)
         feats = verifier.features(b_ids, attention_mask=b_attn, layer_ids=layer_ids, position_ids=b_pos)
         finals.append(feats.final.to("cpu", dtype))  # (b, T, H)
         if layer_ids:

@@ -44,14 +44,19 @@ def test_packing_shapes_and_counts(tmp_path, tok):  # data.packing=stream (best_
     assert tok.decode(held["input_ids"][held["attention_mask"].bool()]) == "<|endoftext|>".join(DOCS[-2:]) + \
         "<|endoftext|>"
     # data.document_mask (the default): positions restart after every EOS and at every row's start, count up by
-    # one inside a document, and restart for the last row's padding
-    pos, ids = batch["position_ids"], batch["input_ids"]
+    # one inside a document, and restart for the last row's padding (in the rows; a batch joins the padding to the
+    # last document, `join_padding`)
+    pos, ids = train[:]["position_ids"].long(), batch["input_ids"]
     for r in range(len(train)):
         for t in range(32):
             real = bool(batch["attention_mask"][r, t])
             starts = t == 0 or (real and ids[r, t - 1] == tok.eos_token_id) or (real != bool(
                 batch["attention_mask"][r, t - 1]))
             assert int(pos[r, t]) == (0 if starts else int(pos[r, t - 1]) + 1), (r, t)
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["position_ids"][real], pos[real])
+    last = int(real[-1].sum())
+    assert batch["position_ids"][-1, last:].tolist() == list(range(int(pos[-1, last - 1]) + 1, 32 - last + int(pos[-1, last - 1]) + 1))
     # data.document_mask=false: the same rows, numbered 0..T-1 (documents attend across the EOS between them)
     across, _ = build_datasets(DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2, document_mask=False,
                                           packing="stream"), tok, seed=0)

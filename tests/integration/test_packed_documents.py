@@ -136,6 +136,46 @@ def test_dflash_blocks_on_a_packed_row_equal_each_document_alone(verifier):
     assert not torch.allclose(across[0, 1], packed[0, 1], atol=1e-3)
 
 
+def test_joined_padding_changes_nothing_a_trainer_reads(verifier):
+    """The collators join a row's right padding to its last document (`join_padding`): a row of one document then
+    attends causally (the fast path). Features, logits, loss, per-step losses and counts at the real tokens equal
+    those of the padding as a document of its own, for a row of one document and a row of two."""
+    from draftheads.data.batching import collate
+    from draftheads.data.documents import is_packed
+
+    docs, _, _ = packed_docs()
+    T = 16
+    rows = []
+    for pieces in ([docs[1]], [docs[0], docs[2]]):  # 9 tokens + 7 padding; 6 + 5 tokens + 5 padding
+        ids = torch.cat(pieces)
+        n = len(ids)
+        rows.append({"input_ids": torch.cat([ids, torch.zeros(T - n, dtype=ids.dtype)]),
+                     "attention_mask": (torch.arange(T) < n).long(), "loss_mask": (torch.arange(T) < n).long(),
+                     "position_ids": torch.cat([torch.arange(len(p)) for p in pieces] + [torch.arange(T - n)])})
+    batch = collate(rows)
+    own = torch.stack([r["position_ids"] for r in rows])  # the padding as a document of its own
+    assert not torch.equal(batch["position_ids"], own)
+    assert not is_packed(batch["position_ids"][:1]) and is_packed(own[:1])
+    real = batch["attention_mask"].bool()
+    cfg = EagleConfig(version=3, draft_vocab_size=None, ttt_steps=3, layer_ids=LAYERS)
+    torch.manual_seed(0)
+    drafter = build_drafter(verifier, cfg).eval()
+    results = []
+    for positions in (batch["position_ids"], own):
+        feats = verifier.features(batch["input_ids"], layer_ids=LAYERS, return_logits=True, position_ids=positions)
+        with torch.no_grad():
+            results.append((feats, drafter.training_loss(batch["input_ids"], feats, batch["loss_mask"], positions)))
+    (joined_f, joined), (own_f, alone) = results
+    torch.testing.assert_close(joined_f.final[real], own_f.final[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(joined_f.logits[real], own_f.logits[real], rtol=1e-5, atol=1e-5)
+    for a, b in zip(joined_f.layers, own_f.layers):
+        torch.testing.assert_close(a[real], b[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(joined.step_losses, alone.step_losses, rtol=1e-5, atol=1e-5)
+    for field in ("correct", "valid", "chain_correct", "chain_valid"):
+        torch.testing.assert_close(getattr(joined.counts, field), getattr(alone.counts, field))
+    assert joined.counts.valid.sum() > 0
+
+
 def test_a_model_that_attends_across_is_refused():
     """An attention function that ignores the mask transformers builds (a custom kernel registered through
     `AttentionInterface`) attends across the boundaries: refused in one line naming the fix."""

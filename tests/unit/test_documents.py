@@ -9,6 +9,7 @@ from draftheads.data.documents import (
     causal_document_mask,
     document_ids,
     is_packed,
+    join_padding,
     packed_positions,
     same_document,
 )
@@ -79,3 +80,29 @@ def test_medusa_and_eagle_target_rules_against_a_slow_reference():
     # without position_ids: the loss mask alone, as before
     w, _ = target_weights(loss_mask, 2)
     assert torch.equal((w[:, :T - 2] > 0).long(), loss_mask[:, 2:])
+
+
+def test_join_padding_counts_the_padding_on_from_the_last_real_token():
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2],   # one document, then padding (a document of its own)
+                              [0, 1, 2, 0, 1, 0, 1, 2],   # two documents, then padding
+                              [0, 1, 2, 3, 4, 5, 6, 7],   # full: nothing to join
+                              [0, 1, 2, 3, 4, 5, 6, 7],   # all padding: left as it is
+                              [0, 1, 2, 0, 1, 2, 0, 1]])  # not right-padded: left as it is
+    attention = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0],
+                              [1, 1, 1, 1, 1, 0, 0, 0],
+                              [1] * 8,
+                              [0] * 8,
+                              [1, 1, 1, 0, 0, 1, 1, 1]])
+    joined = join_padding(positions, attention)
+    assert joined.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7],
+                               [0, 1, 2, 0, 1, 2, 3, 4],
+                               [0, 1, 2, 3, 4, 5, 6, 7],
+                               [0, 1, 2, 3, 4, 5, 6, 7],
+                               [0, 1, 2, 0, 1, 2, 0, 1]]
+    assert joined.dtype == positions.dtype
+    # one document and its padding is no longer a packed row; two documents still are
+    assert is_packed(positions[:1]) and not is_packed(joined[:1])
+    assert is_packed(joined[1:2])
+    # the real tokens keep their documents
+    real = attention.bool()
+    assert (document_ids(joined)[real] == document_ids(positions)[real]).all()
