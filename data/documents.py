@@ -19,7 +19,8 @@ restart at 0 at the first token of every document; everything about documents is
   each: the rule and the mask reduce to the plain causal ones.
 
 A document cut by the end of a row continues in the next row as a document of its own (positions from 0); the
-padding after the last document of the last row is a document of its own too (it is never a target).
+padding after the last document of the last row is a document of its own too (it is never a target); batches
+join it to the row's last document (`join_padding`), which changes nothing a trainer reads at a real token.
 """
 
 from __future__ import annotations
