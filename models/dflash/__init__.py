@@ -31,10 +31,16 @@ from draftheads.models.dflash.blocks import (  # noqa: F401
 from draftheads.models.dflash.config import (  # noqa: F401
     DFlashConfig,
     DFlashError,
+    DFlashWarning,
     default_gamma,
     default_mask_token,
     default_target_layers,
 )
-from draftheads.models.dflash.drafter import DFlashCache, DFlashDrafter, build_drafter  # noqa: F401
+from draftheads.models.dflash.drafter import (  # noqa: F401
+    DFlashCache,
+    DFlashDrafter,
+    blind_positions_warning,
+    build_drafter,
+)
 from draftheads.models.dflash.losses import dflash_loss, position_weights  # noqa: F401
 from draftheads.models.dflash.train import DFlashTrainModule  # noqa: F401

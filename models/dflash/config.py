@@ -16,6 +16,10 @@ class DFlashError(ValueError):
     """A DFlash drafter that cannot be built, trained or loaded as asked; the message says what to fix."""
 
 
+class DFlashWarning(UserWarning):
+    """A DFlash drafter that builds and trains, but whose layout leaves some block positions unable to draft."""
+
+
 def _spread(start: int, end: int, n: int) -> list[int]:
     return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
 

@@ -41,13 +41,15 @@ block inputs, targets and mask are models/dflash/blocks.py, the weighted loss mo
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftheads.data.documents import same_document
 from draftheads.models.dflash.blocks import anchored_block_mask, block_inputs, block_targets, sample_anchors
-from draftheads.models.dflash.config import DFlashConfig, DFlashError
+from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.losses import dflash_loss
 from draftheads.models.eagle.layer import norm_scale
@@ -336,6 +338,26 @@ def index_mask(num_queries: int, num_keys: int, window: int, device) -> torch.Te
     return ((k <= q) & (q - k < window))[None, None]
 
 
+def blind_positions_warning(cfg: DFlashConfig, mask_embedding: torch.Tensor) -> str | None:
+    """One line when block positions see only mask tokens in the first layer (a sliding first layer whose window is
+    narrower than the block: positions window .. block_size-1), else None; `mask_embedding` (H,) is the verifier's
+    embedding row of the mask token. Such a position's first-layer output is the same vector for every one of them
+    whatever the weights (they attend to mask tokens only), and with an all-zero row (HF zeroes the pad token's,
+    the default mask token) exactly zero, so the drafter proposes one token at all of them
+    (docs/dflash.md#positions-past-the-window)."""
+    if cfg.layer_type(0) != "sliding_attention" or cfg.sliding_window is None \
+            or cfg.sliding_window >= cfg.block_size:
+        return None
+    W, N = cfg.sliding_window, cfg.block_size
+    zero = not bool(mask_embedding.detach().ne(0).any())
+    why = (f"the mask token's embedding row (dflash.mask_token_id={cfg.mask_token_id}) is all zeros, so their "
+           "first-layer output is exactly zero and they propose one and the same token"
+           if zero else "their first-layer output is one and the same vector")
+    return (f"dflash.block_size={N} with a first layer that attends within a window of {W}: block positions "
+            f"{W}..{N - 1} see only mask tokens there, and {why}; expect them to accept almost nothing. Set "
+            f"dflash.sliding_window to at least {N}, or dflash.block_size to {W}")
+
+
 def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None) -> DFlashDrafter:
     """A fresh drafter for `verifier` (its config resolved from the verifier's; fp32 unless `dtype`), on the
     verifier's device, reading the verifier's embedding and lm_head. Its final norm starts as the verifier's (the
@@ -343,6 +365,9 @@ def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None)
     resolved = cfg.resolve(verifier.config)
     verifier.check_layer_ids([i + 1 for i in resolved.target_layer_ids], key="dflash.target_layer_ids (+1)")
     drafter = DFlashDrafter(resolved, verifier)
+    blind = blind_positions_warning(resolved, verifier.embed_tokens.weight[resolved.mask_token_id])
+    if blind:
+        warnings.warn(blind, DFlashWarning, stacklevel=2)
     with torch.no_grad():
         drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
     return drafter.to(device=verifier.device, dtype=dtype or torch.float32)

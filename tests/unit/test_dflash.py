@@ -191,3 +191,39 @@ def test_final_norm_starts_as_the_verifiers():
     drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=N))
     x = torch.randn(3, verifier.hidden_size)
     assert torch.allclose(drafter.norm(x), verifier.norm(x), atol=1e-5)
+
+
+def test_blind_block_positions_are_warned_about_in_one_line(verifier):
+    """A first layer attending within a window narrower than the block leaves positions window..N-1 seeing only mask
+    tokens there; build_drafter says so (DFlashWarning), and says why they collapse to one token when the mask
+    token's embedding row is zero (HF zeroes the pad token's row). A block inside the window, or a full first
+    layer, builds silently."""
+    import warnings
+
+    from draftheads.models.dflash import DFlashWarning, blind_positions_warning
+
+    layers = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+    pad = int(verifier.config.pad_token_id)
+    embed = verifier.embed_tokens.weight
+    saved = embed[pad].detach().clone()
+    try:
+        with torch.no_grad():
+            embed[pad].zero_()
+        with pytest.warns(DFlashWarning) as caught:
+            build_drafter(verifier, DFlashConfig(block_size=8, mask_token_id=pad, **layers))
+        (line,) = [str(w.message) for w in caught]
+        assert "\n" not in line and "positions 4..7" in line and "all zeros" in line
+        assert f"dflash.mask_token_id={pad}" in line and "dflash.sliding_window to at least 8" in line
+        nonzero = next(i for i in range(embed.shape[0]) if embed[i].ne(0).any())
+        with pytest.warns(DFlashWarning, match="one and the same vector"):
+            build_drafter(verifier, DFlashConfig(block_size=8, mask_token_id=nonzero, **layers))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DFlashWarning)
+            build_drafter(verifier, DFlashConfig(block_size=4, mask_token_id=pad, **layers))  # inside the window
+            build_drafter(verifier, DFlashConfig(block_size=8, mask_token_id=pad, num_hidden_layers=2))  # all full
+        resolved = DFlashConfig(block_size=16, mask_token_id=pad, **layers).resolve(verifier.config)
+        assert blind_positions_warning(resolved, torch.ones(4)).startswith("dflash.block_size=16")
+        assert blind_positions_warning(resolved, torch.zeros(4)).count("all zeros") == 1
+    finally:
+        with torch.no_grad():
+            embed[pad].copy_(saved)
