@@ -56,7 +56,8 @@ def test_packing_shapes_and_counts(tmp_path, tok):  # data.packing=stream (best_
     real = batch["attention_mask"].bool()
     assert torch.equal(batch["position_ids"][real], pos[real])
     last = int(real[-1].sum())
-    assert batch["position_ids"][-1, last:].tolist() == list(range(int(pos[-1, last - 1]) + 1, 32 - last + int(pos[-1, last - 1]) + 1))
+    first = int(pos[-1, last - 1]) + 1  # the padding counts on from the last real token
+    assert batch["position_ids"][-1, last:].tolist() == list(range(first, first + 32 - last))
     # data.document_mask=false: the same rows, numbered 0..T-1 (documents attend across the EOS between them)
     across, _ = build_datasets(DataConfig(source=text_file(tmp_path), seq_len=32, eval_rows=2, document_mask=False,
                                           packing="stream"), tok, seed=0)
