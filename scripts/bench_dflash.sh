@@ -16,6 +16,8 @@
 # (docs/dflash.md#positions-past-the-window).
 # DFLASH_EXTRA_LAYERS="4:3" also trains DFlash at block 4 with 3 layers (label b4l3): the first sliding as in the
 # config, the others full; the target layers then default to one per drafter layer.
+# DFLASH_EXTRA_ANCHORS="4:128" also trains DFlash at block 4 with 128 anchored blocks per row (label b4a128; the
+# config has 64): the same rows and steps, more blocks trained from each.
 #
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
@@ -29,6 +31,11 @@ EXTRA_LAYERS=${DFLASH_EXTRA_LAYERS:-}
 for pair in $EXTRA_LAYERS; do
   [[ $pair =~ ^[0-9]+:([2-9]|[1-9][0-9]+)$ ]] || { echo "DFLASH_EXTRA_LAYERS: '$pair': expected BLOCK:LAYERS pairs" \
     "of integers (2 layers or more) separated by spaces, e.g. '4:3'" >&2; exit 2; }
+done
+EXTRA_ANCHORS=${DFLASH_EXTRA_ANCHORS:-}
+for pair in $EXTRA_ANCHORS; do
+  [[ $pair =~ ^[0-9]+:[1-9][0-9]*$ ]] || { echo "DFLASH_EXTRA_ANCHORS: '$pair': expected BLOCK:ANCHORS pairs of" \
+    "integers (1 anchor or more) separated by spaces, e.g. '4:128'" >&2; exit 2; }
 done
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
@@ -90,6 +97,13 @@ for pair in $EXTRA_LAYERS; do
     --dflash.num_hidden_layers="$n" --dflash.layer_types="[$types]" --dflash.targets=data
   DFLASH+=("b${b}l$n=$DIR/dflash-b${b}l$n/drafter")
   LABELS+=("dflash-b${b}l$n")
+done
+for pair in $EXTRA_ANCHORS; do
+  b=${pair%:*} a=${pair#*:}
+  train "dflash-b${b}a$a" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
+    --dflash.num_anchors="$a" --dflash.targets=data
+  DFLASH+=("b${b}a$a=$DIR/dflash-b${b}a$a/drafter")
+  LABELS+=("dflash-b${b}a$a")
 done
 wait
 for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log

@@ -1,5 +1,5 @@
-"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS or DFLASH_EXTRA_LAYERS in one line, before it
-sets anything up or trains anything."""
+"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS or DFLASH_EXTRA_ANCHORS in
+one line, before it sets anything up or trains anything."""
 
 import os
 import subprocess
@@ -34,3 +34,11 @@ def test_malformed_extra_layers_are_refused_in_one_line(tmp_path, value, bad):
     assert refusal(tmp_path, "DFLASH_EXTRA_LAYERS", value) == (
         f"DFLASH_EXTRA_LAYERS: '{bad}': expected BLOCK:LAYERS pairs of integers (2 layers or more) separated by "
         "spaces, e.g. '4:3'")
+
+
+@pytest.mark.parametrize("value, bad", [("4:128 8", "8"), ("4:0", "4:0"), ("4:064", "4:064"), ("4-128", "4-128"),
+                                        ("4:a128", "4:a128")])
+def test_malformed_extra_anchors_are_refused_in_one_line(tmp_path, value, bad):
+    assert refusal(tmp_path, "DFLASH_EXTRA_ANCHORS", value) == (
+        f"DFLASH_EXTRA_ANCHORS: '{bad}': expected BLOCK:ANCHORS pairs of integers (1 anchor or more) separated by "
+        "spaces, e.g. '4:128'")
