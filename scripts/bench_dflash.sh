@@ -76,34 +76,30 @@ train eagle3 train/eagle.py configs/eagle3-tiny.yaml ${LAYERS:+--eagle.layer_ids
 train peagle train/eagle.py configs/peagle-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
 DFLASH=()
 LABELS=(eagle3 peagle)
-for b in $BLOCKS; do
+dflash() {  # dflash NAME [overrides...]: one DFlash drafter (label dflash-NAME), trained and decoded
+  local name=$1
+  shift
   # the data are the verifier's own output: block position k learns the data token (dflash.targets=data)
-  train "dflash-b$b" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" --dflash.targets=data
-  DFLASH+=("b$b=$DIR/dflash-b$b/drafter")
-  LABELS+=("dflash-b$b")
+  train "dflash-$name" train/dflash.py configs/dflash-tiny.yaml "$@" --dflash.targets=data
+  DFLASH+=("$name=$DIR/dflash-$name/drafter")
+  LABELS+=("dflash-$name")
+}
+for b in $BLOCKS; do
+  dflash "b$b" --dflash.block_size="$b"
 done
 for pair in $EXTRA_WINDOWS; do
   b=${pair%:*} w=${pair#*:}
-  train "dflash-b${b}w$w" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
-    --dflash.sliding_window="$w" --dflash.targets=data
-  DFLASH+=("b${b}w$w=$DIR/dflash-b${b}w$w/drafter")
-  LABELS+=("dflash-b${b}w$w")
+  dflash "b${b}w$w" --dflash.block_size="$b" --dflash.sliding_window="$w"
 done
 for pair in $EXTRA_LAYERS; do
   b=${pair%:*} n=${pair#*:}
   types=sliding_attention
   for ((i = 1; i < n; i++)); do types+=,full_attention; done
-  train "dflash-b${b}l$n" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
-    --dflash.num_hidden_layers="$n" --dflash.layer_types="[$types]" --dflash.targets=data
-  DFLASH+=("b${b}l$n=$DIR/dflash-b${b}l$n/drafter")
-  LABELS+=("dflash-b${b}l$n")
+  dflash "b${b}l$n" --dflash.block_size="$b" --dflash.num_hidden_layers="$n" --dflash.layer_types="[$types]"
 done
 for pair in $EXTRA_ANCHORS; do
   b=${pair%:*} a=${pair#*:}
-  train "dflash-b${b}a$a" train/dflash.py configs/dflash-tiny.yaml --dflash.block_size="$b" \
-    --dflash.num_anchors="$a" --dflash.targets=data
-  DFLASH+=("b${b}a$a=$DIR/dflash-b${b}a$a/drafter")
-  LABELS+=("dflash-b${b}a$a")
+  dflash "b${b}a$a" --dflash.block_size="$b" --dflash.num_anchors="$a"
 done
 wait
 for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log
