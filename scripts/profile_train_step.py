@@ -93,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     from draftheads.train.loop import all_finite
 
-    cfg, verifier, train_dl, model, optimizer, features = build(rest)
+    try:
+        cfg, verifier, train_dl, model, optimizer, features = build(rest)
+    except ValueError as err:  # ConfigError, VerifierError, EagleError, DataError: options that do not fit
+        raise SystemExit(f"[profile] {err}") from None
     params = [p for p in model.parameters() if p.requires_grad]
     phases, tokens, done = Phases(), 0, 0
     ok = torch.ones((), dtype=torch.bool)
