@@ -48,8 +48,7 @@ import torch
 
 from draftheads.data.chat import resolve_chat_template, tokenize_chats
 from draftheads.data.config import DataConfig, DataError, DataWarning
-from draftheads.data.documents import join_padding
-from draftheads.data.documents import packed_positions
+from draftheads.data.documents import join_padding, packed_positions
 from draftheads.data.progress import datasets_progress
 from draftheads.data.sources import RowError, SkipCounter, train_and_heldout
 

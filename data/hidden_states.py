@@ -290,8 +290,7 @@ class CachedRows(torch.utils.data.Dataset):
 def collate_cached(rows: list[dict]) -> dict[str, torch.Tensor]:
     """Cached rows -> a batch: token columns as (B, T) int64 (as `data.batching.collate`), features stacked."""
     batch = {key: torch.stack([row[key] for row in rows]).long() for key in TOKEN_DTYPES}
-    if "position_ids" in batch and "attention_mask" in batch:  # as `data.batching.collate`: the causal fast path
-        batch["position_ids"] = join_padding(batch["position_ids"], batch["attention_mask"])
+    batch["position_ids"] = join_padding(batch["position_ids"], batch["attention_mask"])  # as `collate` does
     for key in rows[0].keys() - TOKEN_DTYPES.keys():
         batch[key] = torch.stack([row[key] for row in rows])  # final (B, T, H), layers (B, L, T, H)
     return batch
