@@ -41,6 +41,7 @@ from draftheads.models.dflash.drafter import (  # noqa: F401
     DFlashDrafter,
     blind_positions_warning,
     build_drafter,
+    zero_mask_warning,
 )
 from draftheads.models.dflash.losses import dflash_loss, position_weights  # noqa: F401
 from draftheads.models.dflash.train import DFlashTrainModule  # noqa: F401

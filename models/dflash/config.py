@@ -63,7 +63,8 @@ class DFlashConfig:
     """0-based verifier layers whose outputs (HF hidden_states[i + 1]) are concatenated into the context; null:
     spread over 1 .. L-3 as the reference does (`default_target_layers`)."""
     mask_token_id: int | None = None
-    """Token id at the mask positions (its verifier embedding, frozen); null: the verifier's pad token, else eos."""
+    """Token id at the mask positions (its verifier embedding, frozen); null: the verifier's pad token, else eos,
+    unless that token's embedding row is all zeros: then the lowest token id whose row is not (`default_mask_token`)."""
     gamma: float | None = None
     """Loss decay: block position k's weight is exp(-(k-1)/gamma); null: 1 + 3B/8 (B=16: 7, B=8: 4)."""
     num_anchors: int = 512
@@ -179,10 +180,11 @@ class DFlashConfig:
             raise DFlashError(f"{where}: unknown DFlash config keys {unknown}")
         return cls(**values)
 
-    def resolve(self, verifier_config) -> "DFlashConfig":
+    def resolve(self, verifier_config, embedding=None) -> "DFlashConfig":
         """A copy with every null filled from the verifier's HF config (`verifier_config`): its layer sizes,
-        layer count, vocabulary, the default target layers and mask token. Refuses a hidden_size other than the
-        verifier's, and target layers the verifier does not have."""
+        layer count, vocabulary, the default target layers and mask token (`embedding`, the verifier's input
+        embedding weight (V, H), lets the default pass over a token embedded as zeros). Refuses a hidden_size other
+        than the verifier's, and target layers the verifier does not have."""
         vc = verifier_config
         heads = vc.num_attention_heads
         rope = dict(getattr(vc, "rope_parameters", None) or {})
@@ -214,16 +216,25 @@ class DFlashConfig:
         if values["target_layer_ids"] is None:
             values["target_layer_ids"] = default_target_layers(vc.num_hidden_layers, self.num_hidden_layers)
         if values["mask_token_id"] is None:
-            values["mask_token_id"] = default_mask_token(vc)
+            values["mask_token_id"] = default_mask_token(vc, embedding)
         return DFlashConfig(**values)
 
 
-def default_mask_token(verifier_config) -> int:
-    """The verifier's pad token id, else its (first) eos token id."""
+def default_mask_token(verifier_config, embedding=None) -> int:
+    """The verifier's pad token id, else its (first) eos token id. Given the verifier's input embedding (V, H), a
+    token whose row is all zeros is passed over for the lowest id whose row is not: HF zeroes the pad token's row
+    when it initialises a model (our embedded verifiers, a model trained from scratch), and a mask embedded as zeros
+    reaches the first layer as zeros, so its queries, keys and values at every mask position are zero and its
+    attention there is a fixed average that no weight can steer (tiny-code: the pad token's row is zero; id 1
+    drafts better, docs/dflash.md#the-mask-tokens-embedding)."""
     for key in ("pad_token_id", "eos_token_id"):
         value = getattr(verifier_config, key, None)
         value = value[0] if isinstance(value, (list, tuple)) and value else value
         if isinstance(value, int):
+            if embedding is not None and 0 <= value < embedding.shape[0] and not bool(embedding[value].ne(0).any()):
+                nonzero = embedding.detach().ne(0).any(dim=-1).nonzero()
+                if len(nonzero):
+                    return int(nonzero[0, 0])
             return value
     raise DFlashError("the verifier's config has no pad_token_id or eos_token_id to use as the mask token; set "
                       "dflash.mask_token_id")

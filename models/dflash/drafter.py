@@ -358,16 +358,27 @@ def blind_positions_warning(cfg: DFlashConfig, mask_embedding: torch.Tensor) -> 
             f"dflash.sliding_window to at least {N}, or dflash.block_size to {W}")
 
 
+def zero_mask_warning(cfg: DFlashConfig, mask_embedding: torch.Tensor) -> str | None:
+    """One line when the mask token's embedding row is all zeros (only a mask_token_id set by hand: the default
+    passes over such a token), else None."""
+    if bool(mask_embedding.detach().ne(0).any()):
+        return None
+    return (f"dflash.mask_token_id={cfg.mask_token_id}: the verifier embeds this token as all zeros, so the first "
+            "layer's queries, keys and values are zero at every mask position and its attention there is a fixed "
+            "average; choose a token whose embedding row is not zero (leave it null for one)")
+
+
 def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None) -> DFlashDrafter:
     """A fresh drafter for `verifier` (its config resolved from the verifier's; fp32 unless `dtype`), on the
     verifier's device, reading the verifier's embedding and lm_head. Its final norm starts as the verifier's (the
     per-channel scale the verifier's lm_head is used to reading), as EAGLE-3's does."""
-    resolved = cfg.resolve(verifier.config)
+    resolved = cfg.resolve(verifier.config, verifier.embed_tokens.weight)
     verifier.check_layer_ids([i + 1 for i in resolved.target_layer_ids], key="dflash.target_layer_ids (+1)")
     drafter = DFlashDrafter(resolved, verifier)
-    blind = blind_positions_warning(resolved, verifier.embed_tokens.weight[resolved.mask_token_id])
-    if blind:
-        warnings.warn(blind, DFlashWarning, stacklevel=2)
+    mask_row = verifier.embed_tokens.weight[resolved.mask_token_id]
+    warning = blind_positions_warning(resolved, mask_row) or zero_mask_warning(resolved, mask_row)
+    if warning:
+        warnings.warn(warning, DFlashWarning, stacklevel=2)
     with torch.no_grad():
         drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
     return drafter.to(device=verifier.device, dtype=dtype or torch.float32)

@@ -219,11 +219,45 @@ def test_blind_block_positions_are_warned_about_in_one_line(verifier):
             build_drafter(verifier, DFlashConfig(block_size=8, mask_token_id=nonzero, **layers))
         with warnings.catch_warnings():
             warnings.simplefilter("error", DFlashWarning)
-            build_drafter(verifier, DFlashConfig(block_size=4, mask_token_id=pad, **layers))  # inside the window
-            build_drafter(verifier, DFlashConfig(block_size=8, mask_token_id=pad, num_hidden_layers=2))  # all full
+            build_drafter(verifier, DFlashConfig(block_size=4, mask_token_id=nonzero, **layers))  # inside the window
+            build_drafter(verifier, DFlashConfig(block_size=8, mask_token_id=nonzero, num_hidden_layers=2))  # all full
         resolved = DFlashConfig(block_size=16, mask_token_id=pad, **layers).resolve(verifier.config)
         assert blind_positions_warning(resolved, torch.ones(4)).startswith("dflash.block_size=16")
         assert blind_positions_warning(resolved, torch.zeros(4)).count("all zeros") == 1
     finally:
         with torch.no_grad():
             embed[pad].copy_(saved)
+
+
+def test_mask_token_embedded_as_zeros_is_passed_over_or_warned_about(verifier):
+    """HF zeroes the pad token's embedding row; a mask token embedded as zeros gives the first layer zero queries,
+    keys and values at every mask position. The default mask token passes over it (the lowest id whose row is not
+    zero); set by hand, build_drafter says so in one line (DFlashWarning)."""
+    import warnings
+
+    from draftheads.models.dflash import DFlashWarning, default_mask_token, zero_mask_warning
+
+    pad = int(verifier.config.pad_token_id)
+    embed = verifier.embed_tokens.weight
+    saved = embed[: pad + 3].detach().clone()
+    try:
+        with torch.no_grad():
+            embed[pad].fill_(0.5)  # a pad row that is not zero stays the default
+        assert default_mask_token(verifier.config, embed) == pad
+        with torch.no_grad():
+            embed[: pad + 2].zero_()  # the pad row and the rows below pad + 2 are zero: the default is pad + 2
+        assert default_mask_token(verifier.config) == pad  # without the embedding: the pad token, as before
+        assert default_mask_token(verifier.config, embed) == pad + 2
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DFlashWarning)
+            drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=4))
+        assert drafter.mask_token_id == pad + 2
+        with pytest.warns(DFlashWarning) as caught:
+            build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=4, mask_token_id=pad))
+        (line,) = [str(w.message) for w in caught]
+        assert "\n" not in line and line.startswith(f"dflash.mask_token_id={pad}: ") and "all zeros" in line
+        resolved = DFlashConfig(num_hidden_layers=1, block_size=4, mask_token_id=pad).resolve(verifier.config)
+        assert zero_mask_warning(resolved, torch.ones(4)) is None
+    finally:
+        with torch.no_grad():
+            embed[: pad + 3].copy_(saved)
