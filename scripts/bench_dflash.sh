@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # DFlash beside EAGLE-3, P-EAGLE and n-gram lookup on one training budget: the same verifier, self-distilled data
 # (the verifier's own continuations of stdlib functions, scripts/selfdistill_data.py), steps, batch and seed for
-# every drafter. DFlash at block sizes 4, 8 and 16 (configs/dflash-tiny.yaml), EAGLE-3 (configs/eagle3-tiny.yaml)
-# and P-EAGLE (configs/peagle-tiny.yaml) drafting chains of 4, EAGLE-3 also its dynamic tree; then one decode
-# benchmark over all of them at T = 0 on HumanEval prompts (scripts/bench_decode.py, methods taking turns prompt by
-# prompt), one table (tau, per-position acceptance, tokens/s, the drafter's milliseconds per step) and issue 23's
-# goal per block size: tau >= EAGLE-3's chain of 4, tokens/s >= P-EAGLE's.
+# every drafter. DFlash at block sizes 4, 5, 8 and 16 (configs/dflash-tiny.yaml; DFLASH_BLOCKS to choose), EAGLE-3
+# (configs/eagle3-tiny.yaml) and P-EAGLE (configs/peagle-tiny.yaml) drafting chains of 4, EAGLE-3 also its dynamic
+# tree; then one decode benchmark over all of them at T = 0 on HumanEval prompts (scripts/bench_decode.py, methods
+# taking turns prompt by prompt), one table (tau, per-position acceptance, tokens/s, the drafter's milliseconds per
+# step) and issue 23's goal per block size: tau >= EAGLE-3's chain of 4, tokens/s >= P-EAGLE's.
 #
 #   bash scripts/bench_dflash.sh      # DFLASH_VERIFIER=tiny-code DFLASH_STEPS=600 DFLASH_DIR=runs/bench-dflash ...
 #   DFLASH_VERIFIER=tiny-micro DFLASH_STEPS=20 DFLASH_SEQ_LEN=64 DFLASH_DATA_PROMPTS=32 DFLASH_PROMPTS=2 \
 #     DFLASH_MAX_NEW_TOKENS=32 bash scripts/bench_dflash.sh      # a smoke run of the whole pipeline (minutes)
 #
 # DFLASH_EXTRA_WINDOWS="8:8 16:16" also trains DFlash at block 8 with a first-layer window of 8 (label b8w8), ...:
-# with the config's window of 4, block positions 4 and later see only mask tokens in the first layer
+# with the config's window of 5, block positions 5 and later see only mask tokens in the first layer
 # (docs/dflash.md#positions-past-the-window).
 # DFLASH_EXTRA_LAYERS="4:3" also trains DFlash at block 4 with 3 layers (label b4l3): the first sliding as in the
 # config, the others full; the target layers then default to one per drafter layer.
-# DFLASH_EXTRA_ANCHORS="4:128" also trains DFlash at block 4 with 128 anchored blocks per row (label b4a128; the
-# config has 64): the same rows and steps, more blocks trained from each.
+# DFLASH_EXTRA_ANCHORS="4:64" also trains DFlash at block 4 with 64 anchored blocks per row (label b4a64; the
+# config has 128): the same rows and steps, fewer blocks trained from each.
 #
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
@@ -45,7 +45,7 @@ SEQ_LEN=${DFLASH_SEQ_LEN:-256}
 DIR=${DFLASH_DIR:-runs/bench-dflash}
 PROMPTS=${DFLASH_PROMPTS:-8}
 TOKENS=${DFLASH_MAX_NEW_TOKENS:-128}
-BLOCKS=${DFLASH_BLOCKS:-4 8 16}
+BLOCKS=${DFLASH_BLOCKS:-4 5 8 16}
 DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
 JOBS=${DFLASH_JOBS:-1}
 # tiny-micro has 4 layers: EAGLE's default feature layers (2, L//2, L-3 made distinct), not tiny-code's [2, 4, 7]

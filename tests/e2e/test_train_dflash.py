@@ -133,7 +133,7 @@ def test_config_errors_are_named():
         parse_config(DFlashRunConfig, ["--dflash.target_layer_ids=[5,1]"])
 
 
-@pytest.mark.parametrize("name, block, gamma", [("dflash-tiny", 4, 2.5), ("qwen3-8b-dflash", 16, 7.0)])
+@pytest.mark.parametrize("name, block, gamma", [("dflash-tiny", 5, 2.875), ("qwen3-8b-dflash", 16, 7.0)])
 def test_shipped_configs_parse(name, block, gamma):
     cfg = parse_config(DFlashRunConfig, ["--config", str(ROOT / f"configs/{name}.yaml")])
     assert cfg.dflash.block_size == block and cfg.dflash.loss_gamma == gamma
