@@ -77,7 +77,7 @@ class DFlashBlockDrafter(Drafter):
             shape = (cfg.num_hidden_layers, B, cfg.num_key_value_heads, capacity, cfg.head_dim)
             self.cache_k = torch.zeros(shape, dtype=dtype, device=dev)
             self.cache_v = torch.zeros(shape, dtype=dtype, device=dev)
-            self._rows = torch.arange(B, device=dev)[:, None]  # a captured forward reads it: keep its address
+            self.rows = torch.arange(B, device=dev)[:, None]  # captured forwards read it: public, so a move is seen
         self.capacity = self.cache_k.shape[3]
         self.tree = self.tree.to(dev)
 
@@ -93,8 +93,8 @@ class DFlashBlockDrafter(Drafter):
         pos = committed.start[:, None] + torch.arange(M, device=state.device)  # (B, M)
         features = torch.cat([committed.layers[i] for i in self.layer_ids], -1)  # (B, M, n*H)
         for l, (k, v) in enumerate(self.model.context_kv(features, pos)):  # k/v (B, nkv, M, d)
-            self.cache_k[l, self._rows, :, pos] = k.transpose(1, 2)  # (B, M, nkv, d)
-            self.cache_v[l, self._rows, :, pos] = v.transpose(1, 2)
+            self.cache_k[l, self.rows, :, pos] = k.transpose(1, 2)  # (B, M, nkv, d)
+            self.cache_v[l, self.rows, :, pos] = v.transpose(1, 2)
 
     def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
         m, K = self.model, self.num_draft_tokens
@@ -113,8 +113,8 @@ class DFlashBlockDrafter(Drafter):
             masks[True] = full & (j <= q) & (q - j < int(self.cfg.sliding_window))
 
         def attend(l, qh, k, v):  # qh (B, nh, K+1, d), k/v (B, nkv, K+1, d): the block's own, RoPE applied
-            self.cache_k[l, self._rows, :, pos] = k.transpose(1, 2)
-            self.cache_v[l, self._rows, :, pos] = v.transpose(1, 2)
+            self.cache_k[l, self.rows, :, pos] = k.transpose(1, 2)
+            self.cache_v[l, self.rows, :, pos] = v.transpose(1, 2)
             return m.layers[l].self_attn.attend(qh, self.cache_k[l, :, :, :W], self.cache_v[l, :, :, :W],
                                                 masks[self.sliding[l]][:, None])
 

@@ -118,6 +118,7 @@ class EagleTreeDrafter(Drafter):
         self.draft_to_target = model.to_target_ids(torch.arange(draft_vocab, device=model.device))
         self._gqa = model.num_heads != model.num_kv_heads
         self.cache_k = self.cache_v = None
+        self.mask_feature: torch.Tensor | None = None
         self._hidden: torch.Tensor | None = None
 
     def describe(self) -> dict:
@@ -144,12 +145,19 @@ class EagleTreeDrafter(Drafter):
             shape = (B, m.num_kv_heads, capacity, m.head_dim)
             self.cache_k = torch.zeros(shape, dtype=m.dtype, device=dev)
             self.cache_v = torch.zeros(shape, dtype=m.dtype, device=dev)
-            self._rows = torch.arange(B, device=dev)[:, None]  # a captured forward reads it: keep its address
+            self.rows = torch.arange(B, device=dev)[:, None]  # captured forwards read it: public, so a move is seen
         self.capacity = self.cache_k.shape[2]
         self._hidden = torch.zeros(B, self.depth if self.parallel else 1, self.hidden_size, dtype=m.dtype, device=dev)
         if self.parallel:
             with torch.no_grad():
-                self._mask_feature = m.mask_feature().to(dev)  # (H,): fc(mask_hidden), the same every step
+                # (H,): fc(mask_hidden), the same every step. One buffer, refilled: captured graphs read it, so a
+                # new tensor at each start would leave a replay reading freed memory.
+                feature = m.mask_feature().to(dev)
+                if self.mask_feature is None or self.mask_feature.shape != feature.shape or \
+                        self.mask_feature.device != feature.device or self.mask_feature.dtype != feature.dtype:
+                    self.mask_feature = feature
+                else:
+                    self.mask_feature.copy_(feature)
         self.draft_to_target = self.draft_to_target.to(dev)
         if self.chain:
             self.tree = self.tree.to(dev)
@@ -173,8 +181,8 @@ class EagleTreeDrafter(Drafter):
         W = mask.shape[-1]
 
         def attend(q, k, v):  # q (B, nh, n, d), k/v (B, nkv, n, d), RoPE applied
-            self.cache_k[self._rows, :, slots] = k.transpose(1, 2)  # (B, n, nkv, d)
-            self.cache_v[self._rows, :, slots] = v.transpose(1, 2)
+            self.cache_k[self.rows, :, slots] = k.transpose(1, 2)  # (B, n, nkv, d)
+            self.cache_v[self.rows, :, slots] = v.transpose(1, 2)
             attn = F.scaled_dot_product_attention(q, self.cache_k[:, :, :W], self.cache_v[:, :, :W],
                                                   attn_mask=mask[:, None], enable_gqa=self._gqa)  # (B, nh, n, d)
             return attn.transpose(1, 2).reshape(B, n, -1)
@@ -227,7 +235,7 @@ class EagleTreeDrafter(Drafter):
         slot_c = torch.where(steps[None] < committed.count[:, None], pos_c, self.capacity - 1)  # padding: scratch
         pos_m = L[:, None] + torch.arange(K1, device=dev)  # (B, K-1)
         ids = torch.cat([committed.next_tokens, torch.full((B, K1), self.mask_token_id, device=dev)], 1)
-        hidden = torch.cat([self.features(committed).to(m.dtype), self._mask_feature.expand(B, K1, -1)], 1)
+        hidden = torch.cat([self.features(committed).to(m.dtype), self.mask_feature.expand(B, K1, -1)], 1)
         pos = torch.cat([pos_c, pos_m], 1)
         W = self._window(max(state.lengths_host) + M + K1)  # covers every row's L + K - 2
         mask = torch.arange(W, device=dev)[None, None, :] <= pos[:, :, None]  # causal over slots = positions

@@ -80,7 +80,9 @@ class StaticKVCache(Cache):
         self.key_positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)
         """(B, capacity) the position of the token in each slot (read by sliding-window masks)."""
         self.capacity = capacity
-        self._rows = torch.arange(batch_size, device=device)[:, None]  # (B, 1)
+        # (B, 1). Public, like the buffers: captured graphs read it, so the fused loop's check that a drafter's
+        # buffers have not moved (cuda_loop._tensor_addresses, public attributes only) must see it too.
+        self.rows = torch.arange(batch_size, device=device)[:, None]
         self._slots: torch.Tensor | None = None
         self._window = capacity
 
@@ -97,13 +99,13 @@ class StaticKVCache(Cache):
         if window > self.capacity:
             raise ValueError(f"attention window {window} exceeds the KV cache capacity {self.capacity}")
         self._slots, self._window = slots, window
-        self.key_positions[self._rows, slots] = positions
+        self.key_positions[self.rows, slots] = positions
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states (B, H_kv, n, hd) -> written at (row, :, slot); advanced indices first: (B, n, H_kv, hd)
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        k[self._rows, :, self._slots] = key_states.transpose(1, 2)
-        v[self._rows, :, self._slots] = value_states.transpose(1, 2)
+        k[self.rows, :, self._slots] = key_states.transpose(1, 2)
+        v[self.rows, :, self._slots] = value_states.transpose(1, 2)
         return k[:, :, : self._window], v[:, :, : self._window]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # only for code that asks; lengths are per row here
@@ -117,8 +119,8 @@ class StaticKVCache(Cache):
         """
         src = base[:, None] + path  # (B, P)
         dst = base[:, None] + torch.arange(path.shape[1], device=path.device)
-        self.kv[:, :, self._rows, :, dst] = self.kv[:, :, self._rows, :, src]  # all layers, keys and values
-        self.key_positions[self._rows, dst] = dst
+        self.kv[:, :, self.rows, :, dst] = self.kv[:, :, self.rows, :, src]  # all layers, keys and values
+        self.key_positions[self.rows, dst] = dst
 
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
