@@ -7,7 +7,6 @@ import os
 import time
 from contextlib import contextmanager
 
-import datasets
 from tqdm.auto import tqdm
 
 
@@ -19,6 +18,8 @@ def quiet() -> bool:
 @contextmanager
 def datasets_progress():
     """`datasets`' own bars (map, filter) follow DRAFTHEADS_QUIET inside this block, then are restored."""
+    import datasets  # here, not at the top: the engine and the tests import this module where `datasets` is absent
+
     silence = quiet() and not datasets.are_progress_bars_disabled()
     if silence:
         datasets.disable_progress_bars()
