@@ -76,6 +76,14 @@ class DFlashConfig:
     """Training: `ce`, cross-entropy against the `targets` token (the DFlash paper's); `kl`, KL(verifier || drafter)
     against the verifier's whole next-token distribution at anchor+k (its logits at anchor+k-1: soft targets, as
     our EAGLE-3 trains)."""
+    init_std: float | None = None
+    """Training: initial weights of fc and the layers' linear maps; null keeps PyTorch's default (Kaiming-uniform,
+    std 1/sqrt(3 fan_in)); a number draws them from normal(0, init_std), as transformers' `initializer_range` (0.02)
+    does in the reference's and SpecForge's drafters."""
+    init_layers: list[int] | None = None
+    """Training: 0-based verifier layers whose weights start the drafter's layers, one per drafter layer (attention
+    projections, MLP, the two norms; q/k norms where the verifier has them, else ones); null: random layers. The
+    drafter's layer sizes must then be the verifier's."""
     hidden_size: int | None = None
     """Drafter width; null: the verifier's (it must be)."""
     intermediate_size: int | None = None
@@ -142,6 +150,17 @@ class DFlashConfig:
                 raise DFlashError(f"dflash.target_layer_ids={ids}: the verifier has {self.num_target_layers} layers; "
                                   f"expected ids in 0..{self.num_target_layers - 2} (the last layer's output is "
                                   "not read: HF reports it after the final norm)")
+        if self.init_std is not None and not self.init_std > 0:
+            raise DFlashError(f"dflash.init_std={self.init_std}: expected a number > 0 or null")
+        if self.init_layers is not None:
+            ids = [int(i) for i in self.init_layers]
+            self.init_layers = ids
+            if len(ids) != self.num_hidden_layers or any(i < 0 for i in ids):
+                raise DFlashError(f"dflash.init_layers={ids}: expected one verifier layer id >= 0 per drafter layer "
+                                  f"({self.num_hidden_layers}) or null")
+            if self.num_target_layers is not None and max(ids) >= self.num_target_layers:
+                raise DFlashError(f"dflash.init_layers={ids}: the verifier has {self.num_target_layers} layers; "
+                                  f"expected ids in 0..{self.num_target_layers - 1}")
         if self.layer_types is not None:
             self.layer_types = [str(t) for t in self.layer_types]
             if len(self.layer_types) != self.num_hidden_layers:

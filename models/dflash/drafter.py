@@ -381,4 +381,55 @@ def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None)
         warnings.warn(warning, DFlashWarning, stacklevel=2)
     with torch.no_grad():
         drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
+        if resolved.init_std is not None:
+            for module in drafter.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, resolved.init_std)
+                    if module.bias is not None:
+                        module.bias.zero_()
+        if resolved.init_layers is not None:
+            for layer, source in zip(drafter.layers, resolved.init_layers):
+                copy_verifier_layer(layer, verifier.layers[source], f"dflash.init_layers: verifier layer {source}")
     return drafter.to(device=verifier.device, dtype=dtype or torch.float32)
+
+
+#: Drafter layer parameters that a verifier layer must have (same name, same shape) to start it.
+_COPIED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+           "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+#: Copied where the verifier's layer has them (Qwen2's q/k/v biases).
+_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias", "self_attn.o_proj.bias")
+
+
+def copy_verifier_layer(layer: DecoderLayer, source: nn.Module, where: str) -> None:
+    """Start a drafter layer from a verifier decoder layer: its projections and MLP as they are, its norms as the
+    per-channel scale they apply (any family's convention), q/k norms only where the verifier has them. A weight
+    the verifier's layer lacks or holds in another shape is refused naming `where` and the key."""
+    theirs = dict(source.named_parameters())
+    ours = dict(layer.named_parameters())
+    for key in _COPIED:
+        if key not in theirs or theirs[key].shape != ours[key].shape:
+            got = "missing" if key not in theirs else f"shape {list(theirs[key].shape)}"
+            raise DFlashError(f"{where}: {key} is {got}; the drafter's layer needs {list(ours[key].shape)} (set the "
+                              "drafter's layer sizes to the verifier's, or dflash.init_layers=null)")
+        ours[key].copy_(theirs[key].detach().float())
+    for key in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
+        module = source.get_submodule(key) if _has(source, key) else None
+        if module is None:
+            if key in ("input_layernorm", "post_attention_layernorm"):
+                raise DFlashError(f"{where}: has no {key}; expected a pre-norm decoder layer (Llama, Qwen, Mistral)")
+            continue
+        size = ours[f"{key}.weight"].numel()
+        ours[f"{key}.weight"].copy_(norm_scale(module, size))
+    for key in _BIASES:
+        if key in theirs and key not in ours:
+            raise DFlashError(f"{where}: has {key}; the drafter's layer has no biases (set dflash.attention_bias=true)")
+        if key in ours:
+            ours[key].copy_(theirs[key].detach().float() if key in theirs else torch.zeros_like(ours[key]))
+
+
+def _has(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False

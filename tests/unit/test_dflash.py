@@ -261,3 +261,41 @@ def test_mask_token_embedded_as_zeros_is_passed_over_or_warned_about(verifier):
     finally:
         with torch.no_grad():
             embed[: pad + 3].copy_(saved)
+
+
+def test_layers_start_from_the_verifiers_or_a_normal_init(verifier):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        src = verifier.layers[4]
+        for norm in (src.input_layernorm, src.post_attention_layernorm, src.self_attn.q_norm, src.self_attn.k_norm):
+            norm.weight.uniform_(0.5, 2.0)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, init_layers=[4, 0]))
+    for ours, source in zip(drafter.layers, (verifier.layers[4], verifier.layers[0])):
+        theirs = dict(source.named_parameters())
+        for key, param in ours.named_parameters():  # every weight, norms and q/k norms too (Qwen3's)
+            assert torch.allclose(param, theirs[key].float(), rtol=1e-6, atol=0), key
+    fresh = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N))
+    assert not torch.equal(fresh.layers[0].mlp.up_proj.weight, verifier.layers[0].mlp.up_proj.weight)
+
+    normal = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, init_std=0.02))
+    w = torch.cat([m.weight.detach().flatten() for m in normal.modules() if isinstance(m, torch.nn.Linear)])
+    assert abs(float(w.std()) - 0.02) < 0.002 and abs(float(w.mean())) < 0.002
+
+    llama = Verifier(tiny_model("llama", num_layers=4, vocab_size=64))  # no q/k norms: the drafter's stay ones
+    started = build_drafter(llama, DFlashConfig(num_hidden_layers=1, block_size=N, init_layers=[3]))
+    assert torch.equal(started.layers[0].self_attn.q_proj.weight, llama.layers[3].self_attn.q_proj.weight)
+    assert torch.equal(started.layers[0].self_attn.q_norm.weight, torch.ones(started.cfg.head_dim))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"init_layers": [1]}, r"dflash.init_layers=\[1\]: expected one verifier layer id >= 0 per drafter layer \(2\)"),
+    ({"init_layers": [1, 6]}, r"dflash.init_layers=\[1, 6\]: the verifier has 6 layers; expected ids in 0..5"),
+    ({"init_layers": [0, 1], "intermediate_size": 48},
+     r"dflash.init_layers: verifier layer 0: mlp.gate_proj.weight is shape \[128, 64\]; the drafter's layer needs "
+     r"\[48, 64\]"),
+    ({"init_std": 0.0}, r"dflash.init_std=0.0: expected a number > 0"),
+])
+def test_bad_init_is_refused_in_one_line(verifier, overrides, message):
+    with pytest.raises(DFlashError, match=message) as err:
+        build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, **overrides))
+    assert "\n" not in str(err.value)
