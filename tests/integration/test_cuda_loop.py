@@ -171,6 +171,70 @@ def test_graph_read_buffers_are_public(setup):
             assert drafter.mask_feature.data_ptr() in first
 
 
+def _learned_drafters(model, verifier):
+    """Builders of the learned drafters (EAGLE-3 chain and tree, parallel EAGLE-3, DFlash, Medusa) for `verifier`
+    (over `model`, on any device), fitted on the CPU."""
+    from draftheads.models import eagle
+    from draftheads.models.dflash import DFlashConfig, build_drafter
+    from draftheads.models.medusa import MedusaHeads
+    from tests.utils import fit_eagle, greedy_corpus
+
+    device = verifier.device
+    cpu = verifier if device.type == "cpu" else Verifier(model)
+
+    def moved(fitted):  # an EAGLE drafter holds its verifier's embedding and lm_head: rebuild it on `verifier`'s
+        drafter = eagle.build_drafter(verifier, fitted.cfg)
+        drafter.load_state_dict(fitted.state_dict())
+        return drafter.eval().requires_grad_(False)
+
+    corpus = greedy_corpus(model, [[3 + i, 40 + 7 * i, 9] for i in range(8)], 16)
+    eagle3 = moved(fit_eagle(cpu, 3, corpus))
+    parallel = moved(fit_eagle(cpu, 3, corpus, ttt_steps=3, parallel=True))
+    dflash = build_drafter(cpu, DFlashConfig(num_hidden_layers=1, block_size=4, target_layer_ids=[0, 2])).to(device)
+    medusa = MedusaHeads.from_verifier(cpu, num_heads=3).to(device)
+    return {
+        "eagle3-chain": lambda v: make_drafter("eagle", v, eagle3, chain=4),
+        "eagle3-tree": lambda v: make_drafter("eagle", v, eagle3, depth=4, top_k=3, total_tokens=8),
+        "peagle": lambda v: make_drafter("eagle", v, parallel, chain=3),
+        "dflash": lambda v: make_drafter("dflash", v, dflash),
+        "medusa": lambda v: make_drafter("medusa", v, medusa, paths=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
+    }
+
+
+LEARNED = ["eagle3-chain", "eagle3-tree", "peagle", "dflash", "medusa"]
+
+
+def _fused_learned_equals_unfused(model, verifier, name, graphs):
+    """Two rounds of (unfused, fused) on the same drafter: the unfused run between rebuilds the drafter's buffers
+    at batch 3 (the fused bucket is 4), which is what a replay must notice (test_graph_read_buffers_are_public)."""
+    drafter = _learned_drafters(model, verifier)[name](verifier)
+    method = "eagle" if name.startswith(("eagle", "peagle")) else name
+    dec = SpeculativeDecoder(verifier, drafter, method)
+    fused = FusedDecoder(dec, graphs=graphs, buckets=Buckets(batch=(4,), capacity=64, window=64))
+    for _ in range(2):
+        want = dec.generate(PROMPTS, MAX_NEW)
+        got = fused.generate(PROMPTS, MAX_NEW)
+        assert got.output_ids == want.output_ids, name
+        assert got.stats.accepted == want.stats.accepted, name
+    return fused
+
+
+@pytest.mark.parametrize("name", LEARNED)
+def test_fused_learned_drafters_equal_unfused(setup, name):
+    """The learned drafters through the fused loop (graphs off on the CPU), twice, an unfused run between."""
+    model, verifier, refs = setup
+    _fused_learned_equals_unfused(model, verifier, name, graphs=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", LEARNED)
+def test_fused_graphs_learned_drafters_equal_unfused_cuda(cuda_setup, name):
+    """The same in CUDA graphs (the H200 runs of 2026-12-04 covered only n-gram and the draft model in graphs)."""
+    model, verifier, _ = cuda_setup
+    fused = _fused_learned_equals_unfused(model, verifier, name, graphs=True)
+    assert fused.graphs.captures > 0 and not fused.graphs.failures, fused.graphs.failures
+
+
 def test_errors(setup):
     dec = decoder(setup, "ngram")
     with pytest.raises(ValueError, match="CUDA"):
