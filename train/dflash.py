@@ -46,6 +46,7 @@ from draftheads.train.loaders import get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import load_verifier, unsharded
+from draftheads.train.run_folder import record_run_resolved
 from draftheads.train.tracking import build_accelerator, log_table, start_tracking
 
 
@@ -97,6 +98,8 @@ def main(cfg: DFlashRunConfig) -> dict:
 
     drafter = build_drafter(verifier, cfg.dflash)
     dc = drafter.cfg
+    # the nulls as this version fills them (mask token, target layers, sizes): a continued run must agree
+    record_run_resolved(accelerator, cfg, "dflash", dc.to_dict())
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     say(f"[dflash] {n_params / 1e6:.2f}M trainable parameters, {dc.num_hidden_layers} layers, block {dc.block_size}, "
         f"target layers {dc.target_layer_ids}, mask token {dc.mask_token_id}, gamma {dc.loss_gamma:g} "

@@ -244,7 +244,7 @@ def claim(cfg) -> str:
         raise ConfigError(f"output_dir={str(folder)!r} holds another run ({differs}). "
                           f"{START_OVER.format(folder=folder)}")
     if theirs is not None:  # the run continues: what it was made from stays on record until `claim_inputs` compares
-        mine.update({k: theirs[k] for k in ("inputs", "run", "legacy") if k in theirs})
+        mine.update({k: theirs[k] for k in ("inputs", "run", "legacy", "resolved") if k in theirs})
         if "inputs" not in theirs:  # a folder from before content records: its checkpoints carry none
             mine["legacy"] = True
     write_json(folder / RUN_FILE, {**mine, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -271,6 +271,35 @@ def claim_inputs(cfg) -> None:
         if path is not None:
             check_checkpoint(path, record, folder, record.get("legacy", False), explicit=cfg.train.resume != "auto")
     record["run"] = run_digest(record)
+    write_json(folder / RUN_FILE, record)
+
+
+def record_resolved(cfg, name: str, values: dict) -> None:
+    """Main process, once the model is built: what the run's settings resolved to (`values`: a JSON-able dict,
+    e.g. the drafter's config with its nulls filled from the verifier), kept in run.json under resolved/`name`.
+
+    The signature holds the config as written, so a null (a default) looks the same to a newer version whose
+    default differs, and a continued run would silently train something else from the checkpoint on (as
+    dflash.mask_token_id did: the verifier's pad token, then the lowest id it does not embed as zeros). A run that
+    continues must resolve them as it did when it started; the checkpoint it continues from is compared too (it
+    carries the record as it was when saved). A ConfigError names each field that differs."""
+    folder = Path(cfg.output_dir)
+    record = read_record(folder / RUN_FILE)
+    values = json.loads(json.dumps(values))  # tuples -> lists, as they read back
+    earlier = {"the run's record": (record.get("resolved") or {}).get(name)}
+    if cfg.train.resume != "none":
+        path = resolve_resume(cfg.train.resume, folder)
+        if path is not None and (path / RUN_FILE).is_file():
+            earlier[str(path)] = (read_record(path / RUN_FILE).get("resolved") or {}).get(name)
+    for where, theirs in earlier.items():
+        if theirs is not None and theirs != values:
+            diff = differences(flatten(theirs), flatten(values))
+            raise ConfigError(
+                f"output_dir={str(folder)!r}: {where} resolved the {name} settings otherwise when the run started "
+                f"({'; '.join(f'{name}.{d}' for d in diff)}): this version's defaults differ, and continuing would "
+                f"change what the run trains. Continue it with the version that started it, or: "
+                f"{START_OVER.format(folder=folder)}")
+    record.setdefault("resolved", {})[name] = values
     write_json(folder / RUN_FILE, record)
 
 
@@ -306,6 +335,11 @@ def claim_run_folder(accelerator, cfg) -> None:
     note = on_main_process(accelerator, lambda: claim(cfg))
     if note:
         accelerator.print(note)
+
+
+def record_run_resolved(accelerator, cfg, name: str, values: dict) -> None:
+    """`record_resolved` on the main process (collective)."""
+    on_main_process(accelerator, lambda: record_resolved(cfg, name, values))
 
 
 def claim_run_inputs(accelerator, cfg) -> None:

@@ -109,6 +109,37 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, verif
     assert losses(tmp_path / "straight") == losses(tmp_path / "resumed")
 
 
+def test_a_run_resolved_otherwise_is_not_continued(tmp_path, verifier_dir, monkeypatch):
+    """run.json keeps the drafter's settings as resolved when the run started (its nulls filled from the verifier);
+    a continuation that resolves them otherwise (a newer version's default, here a mask token one higher) stops
+    naming the field, for the folder's record and for the checkpoint's."""
+    args = ("--train.max_steps=4", "--train.save_every=2", "--train.eval_every=0", "--consistency.enabled=false")
+    out = tmp_path / "run"
+    original = TrainLoop.step
+
+    def step_then_crash(self, *a, **kw):
+        original(self, *a, **kw)
+        if self.state.step == 2:
+            raise Crash
+
+    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
+    with pytest.raises(Crash):
+        run(*tiny_args(verifier_dir, out, *args))
+    monkeypatch.setattr(TrainLoop, "step", original)
+    resolved = json.loads((out / "run.json").read_text())["resolved"]["dflash"]
+    assert resolved["mask_token_id"] is not None and resolved["target_layer_ids"] and resolved["hidden_size"]
+    mask = resolved["mask_token_id"]
+    for record in (out / "run.json", out / "step-000002" / "run.json"):
+        edited = json.loads(record.read_text())
+        edited["resolved"]["dflash"]["mask_token_id"] = mask + 1  # as if an older version had resolved it so
+        record.write_text(json.dumps(edited))
+        with pytest.raises(ConfigError, match=rf"dflash\.mask_token_id: {mask + 1} -> {mask}\)"):
+            run(*tiny_args(verifier_dir, out, *args))
+        record.write_text(json.dumps({**edited, "resolved": {"dflash": resolved}}))
+    run(*tiny_args(verifier_dir, out, *args))  # the records agree again: the run continues to its end
+    assert [r["step"] for r in records(out) if "train/loss" in r] == [1, 2, 3, 4]
+
+
 def test_offline_features_train_the_same_drafter(tmp_path, verifier_dir):
     from draftheads.train.dump_features import dump
 
