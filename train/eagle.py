@@ -49,6 +49,7 @@ from draftheads.train.loaders import get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import load_verifier, sharded_weights, unsharded
+from draftheads.train.run_folder import record_run_resolved
 from draftheads.train.tracking import build_accelerator, log_table, start_tracking
 
 
@@ -130,6 +131,12 @@ def main(cfg: EagleRunConfig) -> dict:
         coverage = float(token_counts[drafter.t2d.cpu()].sum() / token_counts.sum().clamp(min=1))
         say(f"[eagle3] draft vocabulary {drafter.draft_vocab_size} of {verifier.vocab_size} tokens covers "
             f"{coverage:.1%} of the training targets")
+    # the nulls as this version fills them (feature layers, mask token, noise; biases and sizes through the weights'
+    # shapes): a continued run must agree (train/run_folder.py, record_resolved)
+    record_run_resolved(accelerator, cfg, "eagle", {
+        "feature_layers": drafter.feature_layers, "mask_token_id": getattr(drafter, "mask_token_id", None),
+        "input_noise": cfg.eagle.input_noise, "draft_vocab_size": getattr(drafter, "draft_vocab_size", None),
+        "shapes": {name: list(t.shape) for name, t in drafter.state_dict().items()}})
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     say(f"[eagle{cfg.eagle.version}] {n_params / 1e6:.2f}M trainable parameters; verifier features: layers "
         f"{drafter.feature_layers or 'final'} ({cfg.features})")

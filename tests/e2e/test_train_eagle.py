@@ -218,6 +218,36 @@ def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, verif
     assert a == b and {step for step, _ in a} == set(range(1, 7))
 
 
+def test_a_run_resolved_otherwise_is_not_continued(tmp_path, verifier_dirs, monkeypatch):
+    """run.json keeps what the EAGLE-3 drafter's defaults resolved to (feature layers, noise, the weights' shapes);
+    a continuation under other defaults (here: other feature layers, as a changed default_eagle3_layers would give)
+    stops naming the field."""
+    args = ("--train.max_steps=4", "--train.save_every=2", "--train.eval_every=0", "--consistency.enabled=false")
+    out = tmp_path / "run"
+    original = TrainLoop.step
+
+    def step_then_crash(self, *a, **kw):
+        original(self, *a, **kw)
+        if self.state.step == 2:
+            raise Crash
+
+    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
+    with pytest.raises(Crash):
+        run(*tiny_args(verifier_dirs["llama"], out, 3, *args))
+    monkeypatch.setattr(TrainLoop, "step", original)
+    record = json.loads((out / "run.json").read_text())
+    resolved = record["resolved"]["eagle"]
+    assert resolved["feature_layers"] and "fc.weight" in resolved["shapes"] and resolved["input_noise"] == 0
+    edited = {**resolved, "feature_layers": [0, 1, 2]}
+    assert edited["feature_layers"] != resolved["feature_layers"]
+    (out / "run.json").write_text(json.dumps({**record, "resolved": {"eagle": edited}}))
+    with pytest.raises(ConfigError, match=r"eagle\.feature_layers: \[0, 1, 2\] -> \["):
+        run(*tiny_args(verifier_dirs["llama"], out, 3, *args))
+    (out / "run.json").write_text(json.dumps(record))
+    run(*tiny_args(verifier_dirs["llama"], out, 3, *args))  # as recorded: it continues to its end
+    assert [r["step"] for r in records(out) if "train/loss" in r] == [1, 2, 3, 4]
+
+
 # ---- pieces --------------------------------------------------------------------------------------------------
 def test_draft_vocab_counts_match_a_direct_count(tmp_path):
     import datasets
