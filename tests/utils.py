@@ -212,3 +212,29 @@ def reset_accelerate() -> None:
 
     AcceleratorState._reset_state(True)  # True: the PartialState too
     GradientState._reset_state()
+
+
+def crash_after_step(monkeypatch, step: int, run) -> None:
+    """Call run() with the training loop raising right after step `step` (like a kill just after that step's
+    checkpoint), then restore the loop: what is left is a run folder to continue."""
+    from draftheads.train.loop import TrainLoop
+
+    class Killed(Exception):
+        pass
+
+    original = TrainLoop.step
+
+    def step_then_crash(self, *a, **kw):
+        original(self, *a, **kw)
+        if self.state.step == step:
+            raise Killed
+
+    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
+    try:
+        run()
+    except Killed:
+        pass
+    else:
+        raise AssertionError(f"the run ended before step {step}")
+    finally:
+        monkeypatch.setattr(TrainLoop, "step", original)

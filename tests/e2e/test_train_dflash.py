@@ -15,7 +15,7 @@ from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.dflash import DFlashRunConfig, main
 from draftheads.train.loop import TrainLoop
 from tests.e2e.test_train_eagle import save_verifier_with_tokenizer
-from tests.utils import reset_accelerate
+from tests.utils import crash_after_step, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -115,17 +115,7 @@ def test_a_run_resolved_otherwise_is_not_continued(tmp_path, verifier_dir, monke
     naming the field, for the folder's record and for the checkpoint's."""
     args = ("--train.max_steps=4", "--train.save_every=2", "--train.eval_every=0", "--consistency.enabled=false")
     out = tmp_path / "run"
-    original = TrainLoop.step
-
-    def step_then_crash(self, *a, **kw):
-        original(self, *a, **kw)
-        if self.state.step == 2:
-            raise Crash
-
-    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
-    with pytest.raises(Crash):
-        run(*tiny_args(verifier_dir, out, *args))
-    monkeypatch.setattr(TrainLoop, "step", original)
+    crash_after_step(monkeypatch, 2, lambda: run(*tiny_args(verifier_dir, out, *args)))
     resolved = json.loads((out / "run.json").read_text())["resolved"]["dflash"]
     assert resolved["mask_token_id"] is not None and resolved["target_layer_ids"] and resolved["hidden_size"]
     mask = resolved["mask_token_id"]

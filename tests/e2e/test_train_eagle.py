@@ -17,7 +17,7 @@ from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.eagle import EagleRunConfig, draft_vocab_counts, main
 from draftheads.train.loop import TrainLoop
-from tests.utils import FAMILIES, free_port, reset_accelerate, save_tiny_verifier
+from tests.utils import FAMILIES, crash_after_step, free_port, reset_accelerate, save_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -224,17 +224,7 @@ def test_a_run_resolved_otherwise_is_not_continued(tmp_path, verifier_dirs, monk
     stops naming the field."""
     args = ("--train.max_steps=4", "--train.save_every=2", "--train.eval_every=0", "--consistency.enabled=false")
     out = tmp_path / "run"
-    original = TrainLoop.step
-
-    def step_then_crash(self, *a, **kw):
-        original(self, *a, **kw)
-        if self.state.step == 2:
-            raise Crash
-
-    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
-    with pytest.raises(Crash):
-        run(*tiny_args(verifier_dirs["llama"], out, 3, *args))
-    monkeypatch.setattr(TrainLoop, "step", original)
+    crash_after_step(monkeypatch, 2, lambda: run(*tiny_args(verifier_dirs["llama"], out, 3, *args)))
     record = json.loads((out / "run.json").read_text())
     resolved = record["resolved"]["eagle"]
     assert resolved["feature_layers"] and "fc.weight" in resolved["shapes"] and resolved["input_noise"] == 0
