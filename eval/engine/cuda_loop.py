@@ -316,7 +316,9 @@ class LoopState:
 def _tensor_addresses(obj, depth: int = 4) -> tuple[int, ...]:
     """Data pointers of the tensors reachable from obj's public attributes (parameters and `_private` attributes
     excluded: per-call scratch such as StaticKVCache._slots lives there). A drafter whose buffers moved since its
-    graphs were captured needs new graphs."""
+    graphs were captured needs new graphs. So a persistent tensor that a captured segment reads must be public (a
+    cache's `rows`, say): a private one can move unseen while the rest stays put, and a replay then reads freed
+    memory (tests/integration/test_cuda_loop.py::test_graph_read_buffers_are_public)."""
     found: list[int] = []
     seen: set[int] = set()
 
