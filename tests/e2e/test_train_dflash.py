@@ -13,7 +13,6 @@ from draftheads.models.verifier import Verifier
 from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.dflash import DFlashRunConfig, main
-from draftheads.train.loop import TrainLoop
 from tests.e2e.test_train_eagle import save_verifier_with_tokenizer
 from tests.utils import crash_after_step, reset_accelerate
 
@@ -77,25 +76,11 @@ def test_tiny_config_trains_checkpoints_exports_and_checks(tmp_path, verifier_di
     assert summary["consistency"]["new_tokens"] > 0
 
 
-class Crash(Exception):
-    pass
-
-
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, verifier_dir, monkeypatch):
     """Anchors are random: the resumed run must draw what the uninterrupted one drew (the RNG state resumes)."""
     args = ("--train.max_steps=4", "--train.save_every=2", "--train.eval_every=2", "--consistency.enabled=false")
     run(*tiny_args(verifier_dir, tmp_path / "straight", *args))
-    original = TrainLoop.step
-
-    def step_then_crash(self, *a, **kw):
-        original(self, *a, **kw)
-        if self.state.step == 2:
-            raise Crash  # like a kill right after the step-2 checkpoint
-
-    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
-    with pytest.raises(Crash):
-        run(*tiny_args(verifier_dir, tmp_path / "resumed", *args))
-    monkeypatch.setattr(TrainLoop, "step", original)
+    crash_after_step(monkeypatch, 2, lambda: run(*tiny_args(verifier_dir, tmp_path / "resumed", *args)))
     run(*tiny_args(verifier_dir, tmp_path / "resumed", *args))
     straight = load_file(tmp_path / "straight" / "drafter" / "model.safetensors")
     resumed = load_file(tmp_path / "resumed" / "drafter" / "model.safetensors")

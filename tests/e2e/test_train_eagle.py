@@ -16,7 +16,6 @@ from draftheads.models.verifier import Verifier
 from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.eagle import EagleRunConfig, draft_vocab_counts, main
-from draftheads.train.loop import TrainLoop
 from tests.utils import FAMILIES, crash_after_step, free_port, reset_accelerate, save_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,27 +180,13 @@ def test_wandb_offline_and_bf16_export(tmp_path, verifier_dirs, monkeypatch):
 
 
 # ---- resume --------------------------------------------------------------------------------------------------
-class Crash(Exception):
-    pass
-
-
 @pytest.mark.parametrize("version", [1, 3])  # EAGLE-1 draws feature noise: the RNG state must resume too
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, verifier_dirs, monkeypatch, version):
     N = 3
     args = ("--train.max_steps=6", f"--train.save_every={N}", "--train.eval_every=3")
     run(*tiny_args(verifier_dirs["llama"], tmp_path / "straight", version, *args))
-
-    original = TrainLoop.step
-
-    def step_then_crash(self, *a, **kw):
-        original(self, *a, **kw)
-        if self.state.step == N:
-            raise Crash  # like a kill right after the step-N checkpoint
-
-    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
-    with pytest.raises(Crash):
-        run(*tiny_args(verifier_dirs["llama"], tmp_path / "resumed", version, *args))
-    monkeypatch.setattr(TrainLoop, "step", original)
+    crash_after_step(monkeypatch, N, lambda: run(*tiny_args(verifier_dirs["llama"], tmp_path / "resumed", version,
+                                                            *args)))
     run(*tiny_args(verifier_dirs["llama"], tmp_path / "resumed", version, *args))
 
     straight = load_file(tmp_path / "straight" / "drafter" / "model.safetensors")

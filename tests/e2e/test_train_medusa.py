@@ -14,9 +14,8 @@ from safetensors.torch import load_file
 from draftheads.models.export import load_medusa, load_medusa_verifier
 from draftheads.models.verifier import Verifier
 from draftheads.train.config import ConfigError, parse_config
-from draftheads.train.loop import TrainLoop
 from draftheads.train.medusa import MedusaRunConfig, main
-from tests.utils import reset_accelerate, save_tiny_verifier_with_tokenizer
+from tests.utils import crash_after_step, reset_accelerate, save_tiny_verifier_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,25 +105,11 @@ def test_broken_export_fails_the_run(verifier_dir, tmp_path, monkeypatch):
     assert not any("eval/tau" in r for r in records(tmp_path / "unchecked"))
 
 
-class Interrupted(Exception):
-    pass
-
-
 def test_interrupted_and_resumed_run_equals_a_straight_run(verifier_dir, tmp_path, monkeypatch):
     """2N steps straight == N steps, a crash one step later, then resume=auto to 2N: same weights, same losses."""
     run(verifier_dir, tmp_path / "straight")
-
-    step = TrainLoop.step
-
-    def step_then_crash(self, *args, **kwargs):
-        step(self, *args, **kwargs)
-        if self.state.step == 4:  # after the step-3 checkpoint and one more logged step
-            raise Interrupted
-
-    monkeypatch.setattr(TrainLoop, "step", step_then_crash)
-    with pytest.raises(Interrupted):
-        run(verifier_dir, tmp_path / "resumed")
-    monkeypatch.setattr(TrainLoop, "step", step)
+    # after the step-3 checkpoint and one more logged step
+    crash_after_step(monkeypatch, 4, lambda: run(verifier_dir, tmp_path / "resumed"))
     reset_accelerate()
     run(verifier_dir, tmp_path / "resumed")
 
