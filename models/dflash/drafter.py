@@ -52,7 +52,7 @@ from draftheads.models.dflash.blocks import anchored_block_mask, block_inputs, b
 from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.losses import dflash_loss
-from draftheads.models.eagle.layer import norm_scale
+from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
 
 
@@ -382,11 +382,7 @@ def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None)
     with torch.no_grad():
         drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
         if resolved.init_std is not None:
-            for module in drafter.modules():
-                if isinstance(module, nn.Linear):
-                    module.weight.normal_(0.0, resolved.init_std)
-                    if module.bias is not None:
-                        module.bias.zero_()
+            normal_init(drafter.modules(), resolved.init_std)
         if resolved.init_layers is not None:
             for layer, source in zip(drafter.layers, resolved.init_layers):
                 copy_verifier_layer(layer, verifier.layers[source], f"dflash.init_layers: verifier layer {source}")
@@ -412,8 +408,9 @@ def copy_verifier_layer(layer: DecoderLayer, source: nn.Module, where: str) -> N
             raise DFlashError(f"{where}: {key} is {got}; the drafter's layer needs {list(ours[key].shape)} (set the "
                               "drafter's layer sizes to the verifier's, or dflash.init_layers=null)")
         ours[key].copy_(theirs[key].detach().float())
+    modules = dict(source.named_modules())
     for key in ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"):
-        module = source.get_submodule(key) if _has(source, key) else None
+        module = modules.get(key)
         if module is None:
             if key in ("input_layernorm", "post_attention_layernorm"):
                 raise DFlashError(f"{where}: has no {key}; expected a pre-norm decoder layer (Llama, Qwen, Mistral)")
@@ -425,11 +422,3 @@ def copy_verifier_layer(layer: DecoderLayer, source: nn.Module, where: str) -> N
             raise DFlashError(f"{where}: has {key}; the drafter's layer has no biases (set dflash.attention_bias=true)")
         if key in ours:
             ours[key].copy_(theirs[key].detach().float() if key in theirs else torch.zeros_like(ours[key]))
-
-
-def _has(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False

@@ -18,6 +18,7 @@ from draftheads.models.eagle.layer import (
     _Held,
     _layer_config,
     norm_scale,
+    normal_init,
 )
 from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
@@ -65,13 +66,8 @@ class EagleDrafter(nn.Module):
             layer.hidden_norm = norm_cls(H, eps=eps)
         self.layers = nn.ModuleList([layer])
         self.fc = nn.Linear((2 if self.version == 1 else 3) * H, H, bias=cfg.use_fc_bias)
-        if cfg.init_std is not None:  # transformers' _init_weights: normal(0, initializer_range), zero biases
-            with torch.no_grad():
-                for module in (self.fc, *self.layers.modules()):
-                    if isinstance(module, nn.Linear):
-                        module.weight.normal_(0.0, cfg.init_std)
-                        if module.bias is not None:
-                            module.bias.zero_()
+        if cfg.init_std is not None:
+            normal_init((self.fc, *self.layers.modules()), cfg.init_std)
         self._held = _Held(embed_tokens=verifier.embed_tokens, lm_head=verifier.lm_head,
                            rotary_emb=rope_cls(self.layer_config))
 

@@ -77,6 +77,16 @@ def norm_scale(norm: nn.Module, hidden_size: int) -> torch.Tensor:
     return (out * (1.0 + eps) ** 0.5).cpu()
 
 
+def normal_init(modules, std: float) -> None:
+    """transformers' `_init_weights` for the linear maps among `modules`: weights from normal(0, std), biases zero."""
+    with torch.no_grad():
+        for module in modules:
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(0.0, std)
+                if module.bias is not None:
+                    module.bias.zero_()
+
+
 class _Held:
     """Modules the drafter uses but does not own: not its parameters or state, untouched by `.to(dtype)`.
 
