@@ -9,6 +9,7 @@
 #   as the device:  GPU_CHECK_INSTALL=1 PYTHON=<py3.12 venv with only torch triton numpy pyyaml packaging tqdm pytest
 #                   psutil scipy>/bin/python bash scripts/gpu_check.sh --dry-run   # the device's install, on the CPU
 #   on the device:  bash scripts/gpu_check.sh              # device `run`: carry [".whl", ".cache-gpu"], timeout_s 400
+#   a rerun:        bash scripts/gpu_check.sh --tests      # the CUDA tests alone, after a fix (carry [".whl"])
 #                   (2026-12-04 on an H200: 274 s, the machine's start not counted)
 #
 # Writes docs/benchmarks/gpu-<date>-<gpu>.{json,md}; when $OUT is set (the device tool) copies them there with the
@@ -82,6 +83,11 @@ for f in $(grep -l "mark.cuda" tests/*/test_*.py tests/e2e/interop/test_*.py); d
   rc=${PIPESTATUS[0]}
   [ "$rc" -ne 0 ] && tests_rc=$rc
 done
+
+if [ "$MODE" = "--tests" ]; then  # a rerun after a fix: the tests alone (about 60 s of device time)
+  echo "[gpu_check] device=$DEVICE tests_rc=$tests_rc (tests only) elapsed=$((SECONDS - start))s"
+  exit "$tests_rc"
+fi
 
 # 2. The embedded verifier: carried in .cache-gpu/tiny-micro, else built here if there is time (never blocks the rest).
 EMB=none

@@ -303,10 +303,16 @@ class EagleTreeDrafter(Drafter):
         front_tok, front_score, front_cand = cand_tokens[0], score, ar_k.expand(B, k)
         front_hidden = self._hidden.expand(B, k, H)
         front_anc = torch.zeros(B, k, max(S, 1), dtype=torch.bool, device=dev)  # draft slots above each node
+        # own_slot[d-1, i]: the one-hot of frontier node i's slot at depth d, (D-1, k, S).
+        own_slot = torch.arange(max(S, 1), device=dev) == (torch.arange(D - 1, device=dev)[:, None, None] * k
+                                                             + ar_k[None, :, None])
         for d in range(1, D):
             # Run the frontier (depth d, positions L+d-1) through the drafter: k nodes in one forward.
             slots = L[:, None] + (d - 1) * k + ar_k  # (B, k)
-            front_anc[:, ar_k, (d - 1) * k + ar_k] = True  # each node's own slot (its children inherit it)
+            # Each node's own slot (its children inherit it). An OR with a one-hot, not `front_anc[:, i, j] = True`:
+            # that index_put_ copies the scalar from host memory, which a CUDA graph capture refuses (H200 run of
+            # 2026-12-04); an eager CUDA run pays a host-to-device copy for it at every level.
+            front_anc = front_anc | own_slot[d - 1]
             mask = tree_attention_mask(L, front_anc, W)  # (B, k, W): prefix + ancestors-or-self draft slots
             out = self.forward(front_tok, front_hidden, (L + d - 1)[:, None].expand(B, k), slots, mask)
             logp = torch.log_softmax(m.logits(out).float(), -1)  # (B, k, V')

@@ -226,6 +226,30 @@ def test_fused_learned_drafters_equal_unfused(setup, name):
     _fused_learned_equals_unfused(model, verifier, name, graphs=False)
 
 
+@pytest.mark.parametrize("name", LEARNED)
+def test_fused_learned_drafters_put_no_host_scalars(setup, name):
+    """`x[index_tensor] = True` on a CUDA tensor copies the scalar from host memory, which a CUDA graph capture
+    refuses (the EAGLE-2 tree on the H200, 2026-12-04). On the CPU the same call shows as an index_put_ whose value
+    is a 0-dim tensor: none may run inside the fused loop's segments."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, verifier, _ = setup
+    drafter = _learned_drafters(model, verifier)[name](verifier)
+    dec = SpeculativeDecoder(verifier, drafter, "eagle" if name.startswith(("eagle", "peagle")) else name)
+    fused = FusedDecoder(dec, graphs=False, buckets=Buckets(batch=(4,), capacity=64, window=64))
+    seen = []
+
+    class HostScalarPuts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.index_put_, torch.ops.aten.index_put) and args[2].dim() == 0:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with HostScalarPuts():
+        fused.generate(PROMPTS, MAX_NEW)
+    assert not seen, f"{name}: {len(seen)} index_put_ with a scalar value inside the fused loop"
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", LEARNED)
 def test_fused_graphs_learned_drafters_equal_unfused_cuda(cuda_setup, name):
