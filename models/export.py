@@ -290,7 +290,17 @@ def check_dflash_engine(cfg, engine: str):
     layout = _dflash_layout(engine)
     layout.resolve(cfg)
     layout.check(cfg)
+    _check_sglang_own_head(cfg, engine)
     return cfg
+
+
+def _check_sglang_own_head(cfg, engine: str) -> None:
+    from draftheads.models.dflash import DFlashError
+
+    if engine == "sglang" and cfg.draft_vocab_size is not None:
+        raise DFlashError(f"dflash.draft_vocab_size={cfg.draft_vocab_size} with engine sglang: how SGLang reads a "
+                          "DFlash drafter's own lm_head is not checked here (vLLM's reading is); export for engine "
+                          "vllm, or set dflash.draft_vocab_size=null")
 
 
 def export_dflash(drafter, folder: str | os.PathLike, verifier, training: dict | None = None, engine: str = "vllm",
@@ -300,6 +310,7 @@ def export_dflash(drafter, folder: str | os.PathLike, verifier, training: dict |
     (what `vllm serve DRAFTER_DIR` drafts per step; default block_size - 1)."""
     layout = _dflash_layout(engine)
     layout.check(drafter.cfg)
+    _check_sglang_own_head(drafter.cfg, engine)
     cfg = drafter.cfg.to_dict()
     meta = metadata_block("dflash", verifier, layer_ids=list(drafter.cfg.target_layer_ids), engine=engine,
                           dflash=cfg, training=training or {})

@@ -42,7 +42,7 @@ from draftheads.train.config import ConfigError, RunConfig
 from draftheads.train.features import batch_tokens, feature_source
 from draftheads.train.finish import finish_run
 from draftheads.train.heldout import heldout_sums
-from draftheads.train.loaders import get_dataloaders
+from draftheads.train.loaders import draft_vocab_counts, get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import load_verifier, unsharded
@@ -96,8 +96,18 @@ def main(cfg: DFlashRunConfig) -> dict:
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
         f"{cfg.data.seq_len} tokens ({cfg.data.source})")
 
-    drafter = build_drafter(verifier, cfg.dflash)
+    # Its own lm_head (dflash.draft_vocab_size): the draft vocabulary is the most frequent training targets, as
+    # EAGLE-3's (counted in the data; with dflash.targets=verifier the targets are the verifier's greedy tokens, of
+    # which the data's are the estimate the counts can have before any verifier forward).
+    token_counts = None
+    if cfg.dflash.draft_vocab_size is not None:
+        token_counts = draft_vocab_counts(train_dl.dataset, verifier.vocab_size)
+    drafter = build_drafter(verifier, cfg.dflash, token_counts=token_counts)
     dc = drafter.cfg
+    if token_counts is not None:
+        coverage = float(token_counts[drafter.t2d.cpu()].sum() / token_counts.sum().clamp(min=1))
+        say(f"[dflash] own lm_head over {dc.draft_vocab_size} of {verifier.vocab_size} tokens, covering "
+            f"{coverage:.1%} of the training data's tokens")
     # the nulls as this version fills them (mask token, target layers, sizes): a continued run must agree
     record_run_resolved(accelerator, cfg, "dflash", dc.to_dict())
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
@@ -164,7 +174,8 @@ def main(cfg: DFlashRunConfig) -> dict:
     # ---- export ----
     summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
     # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
-    full = unsharded(accelerator, model, lambda: DFlashTrainModule(build_drafter(verifier, cfg.dflash)))
+    full = unsharded(accelerator, model,
+                     lambda: DFlashTrainModule(build_drafter(verifier, cfg.dflash, token_counts=token_counts)))
     drafter = full.drafter.to(to_dtype(cfg.export_dtype)) if full is not None else None  # training is over
     if accelerator.is_main_process:
         folder = export_dflash(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)

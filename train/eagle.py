@@ -37,7 +37,7 @@ import torch
 
 from draftheads.data.progress import quiet
 from draftheads.models.dtypes import to_dtype
-from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter, count_tokens
+from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter
 from draftheads.eval.drafters.eagle import TREE_TOP_K
 from draftheads.models.export import check_eagle_engine, export_eagle
 from draftheads.train.cli import main_guard
@@ -45,7 +45,7 @@ from draftheads.train.config import ConfigError, RunConfig
 from draftheads.train.finish import finish_run
 from draftheads.train.features import batch_tokens, feature_source
 from draftheads.train.heldout import heldout_sums
-from draftheads.train.loaders import get_dataloaders
+from draftheads.train.loaders import draft_vocab_counts, get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import load_verifier, sharded_weights, unsharded
@@ -87,14 +87,6 @@ class EagleRunConfig(RunConfig):
             raise ConfigError(f"eagle.draft_vocab_size={eagle.draft_vocab_size}: the dynamic draft tree (the engine's "
                               f"and the train/serve check's) takes the top {TREE_TOP_K} draft tokens at each node; "
                               f"expected at least {TREE_TOP_K} (or null: the whole vocabulary)")
-
-
-def draft_vocab_counts(dataset, vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """(V,) int64: how often each token is a training target (loss_mask = 1) in a dataset of token rows."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for rows in dataset.iter(batch_size=rows_per_chunk):  # (n, T) columns, read in chunks: no full copy in memory
-        counts += count_tokens(torch.as_tensor(rows["input_ids"]), torch.as_tensor(rows["loss_mask"]), vocab_size)
-    return counts
 
 
 def step_metrics(out: EagleOutput) -> dict[str, torch.Tensor]:

@@ -59,3 +59,14 @@ def get_dataloaders(cfg: RunConfig, tokenizer) -> tuple[DataLoader, DataLoader]:
 
     train_ds, eval_ds = build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)
     return make_dataloaders(train_ds, eval_ds, cfg, collate)
+
+
+def draft_vocab_counts(dataset, vocab_size: int, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """(V,) int64: how often each token is a training target (loss_mask = 1) in a dataset of token rows (what
+    EAGLE-3's and DFlash's draft vocabularies are chosen from)."""
+    from draftheads.models.eagle.vocab import count_tokens
+
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for rows in dataset.iter(batch_size=rows_per_chunk):  # (n, T) columns, read in chunks: no full copy in memory
+        counts += count_tokens(torch.as_tensor(rows["input_ids"]), torch.as_tensor(rows["loss_mask"]), vocab_size)
+    return counts

@@ -331,6 +331,8 @@ class DFlashReading:
     sliding_window: int | None = None
     block_size: int | None = None
     draft_vocab_size: int | None = None
+    d2t: torch.Tensor | None = None
+    """The file's d2t (target id - draft id), which vLLM loads as draft_id_to_target_id for a pruned vocabulary."""
     own_embedding: bool = False
     own_lm_head: bool = False
     extras: list[str] = field(default_factory=list)
@@ -348,12 +350,18 @@ class DFlashReading:
         if odd:
             out.append(f"layers read as {sorted(set(odd))}: draftheads DFlash layers are bidirectional (full) or "
                        "causal within a window (sliding)")
-        if self.own_embedding or self.own_lm_head:
-            out.append("the file holds the drafter's own embed_tokens / lm_head; draftheads DFlash drafters read the "
-                       "verifier's")
-        if self.draft_vocab_size is not None and self.draft_vocab_size != verifier.vocab_size:
-            out.append(f"draft_vocab_size {self.draft_vocab_size}: draftheads DFlash drafters draft over the "
-                       f"verifier's whole vocabulary ({verifier.vocab_size})")
+        if self.own_embedding:
+            out.append("the file holds the drafter's own embed_tokens; draftheads DFlash drafters read the verifier's")
+        pruned = self.draft_vocab_size is not None and self.draft_vocab_size != verifier.vocab_size
+        head = self.weights.get("lm_head.weight")
+        if pruned and not self.own_lm_head:
+            out.append(f"draft_vocab_size {self.draft_vocab_size} with no lm_head of its own: vLLM would read the "
+                       f"verifier's {verifier.vocab_size}-token lm_head as the draft vocabulary's")
+        elif self.own_lm_head and head is not None and head.shape[0] != (self.draft_vocab_size or verifier.vocab_size):
+            out.append(f"lm_head.weight has {head.shape[0]} rows but vLLM builds {self.draft_vocab_size} (config.json "
+                       "draft_vocab_size, else the verifier's vocabulary)")
+        elif pruned and self.d2t is None:
+            out.append(f"draft_vocab_size {self.draft_vocab_size} without a d2t: vLLM maps draft id i to token i")
         if self.mask_token_id is None:
             out.append("no mask_token_id (dflash_config.mask_token_id or mask_token_id)")
         if self.uninitialised:
@@ -389,7 +397,8 @@ class DFlashReading:
                 max_position_embeddings=layer["max_position_embeddings"], hidden_act=layer["hidden_act"],
                 attention_bias=bool(layer["attention_bias"]), layer_types=list(self.layer_types),
                 sliding_window=self.sliding_window, num_target_layers=verifier.num_layers,
-                vocab_size=verifier.vocab_size)
+                vocab_size=verifier.vocab_size,
+                draft_vocab_size=(self.draft_vocab_size or verifier.vocab_size) if self.own_lm_head else None)
         except (DFlashError, KeyError, TypeError) as err:
             raise Unreadable(f"not a DFlash drafter draftheads builds ({err})") from None
 
@@ -399,10 +408,18 @@ class DFlashReading:
 
         cfg = self.config(verifier)
         try:
-            drafter = DFlashDrafter(cfg, verifier).to(dtype=dtype)
+            weights = {k: v.to(dtype) for k, v in self.weights.items()}
+            maps = {}
+            if self.own_lm_head and self.d2t is not None and cfg.draft_vocab_size < verifier.vocab_size:
+                d2t = self.d2t.long()
+                t2d = torch.zeros(verifier.vocab_size, dtype=torch.bool)
+                t2d[torch.arange(d2t.numel()) + d2t] = True
+                maps = {"d2t": d2t, "t2d": t2d}
+            drafter = DFlashDrafter(cfg, verifier, **maps).to(dtype=dtype)
+            weights.update(maps)
             expected = drafter.state_dict()
-            require_keys_like(self.weights, expected)
-            drafter.load_state_dict({k: v.to(dtype) for k, v in self.weights.items()}, strict=True)
+            require_keys_like(weights, expected)
+            drafter.load_state_dict(weights, strict=True)
         except (DFlashError, DrafterFormatError, RuntimeError) as err:
             raise Unreadable(str(err)) from None
         return drafter.to(device=verifier.device)
@@ -503,7 +520,7 @@ def dflash_reading(config: dict, tensors: dict[str, torch.Tensor], verifier) -> 
             reading.refused = "a mask_hidden weight: vLLM's DFlash loader asserts there is none"
             continue
         if name.endswith("d2t"):
-            reading.draft_vocab_size = tensor.numel()
+            reading.draft_vocab_size, reading.d2t = tensor.numel(), tensor
             continue
         name = name.replace(MIDLAYER, "layers.0.").replace("encoder.output_norm_enc.", "hidden_norm.") \
             .replace("encoder.fc.", "fc.")
@@ -511,9 +528,11 @@ def dflash_reading(config: dict, tensors: dict[str, torch.Tensor], verifier) -> 
             table = verifier.embed_tokens.weight.detach().cpu()
             reading.own_embedding = tensor.shape != table.shape or not torch.equal(tensor.to(table.dtype), table)
             continue
-        if name.startswith("lm_head."):
-            head = verifier.lm_head.weight.detach().cpu()
+        if name.startswith("lm_head."):  # kept as the drafter's own when it differs from the verifier's (vLLM shares an
+            head = verifier.lm_head.weight.detach().cpu()  # equal one)
             reading.own_lm_head = tensor.shape != head.shape or not torch.equal(tensor.to(head.dtype), head)
+            if reading.own_lm_head:
+                weights[name] = tensor
             continue
         weights[name] = tensor
     reading.weights = weights

@@ -84,6 +84,11 @@ class DFlashConfig:
     """Training: 0-based verifier layers whose weights start the drafter's layers, one per drafter layer (attention
     projections, MLP, the two norms; q/k norms where the verifier has them, else ones); null: random layers. The
     drafter's layer sizes must then be the verifier's."""
+    draft_vocab_size: int | None = None
+    """null: the drafter's logits are the verifier's lm_head, frozen and shared (z-lab's drafters, the reference).
+    A number: the drafter has its own lm_head, trained, over that many tokens (the most frequent in the training
+    data, as EAGLE-3's draft vocabulary; the verifier's vocabulary size: all of them), started from the verifier's
+    rows; the export carries it and the d2t map, which vLLM reads (`has_own_lm_head`, `draft_vocab_size`)."""
     hidden_size: int | None = None
     """Drafter width; null: the verifier's (it must be)."""
     intermediate_size: int | None = None
@@ -122,7 +127,7 @@ class DFlashConfig:
             raise DFlashError(f"dflash.block_size={self.block_size}: expected at least 2 (the anchor and one "
                               "mask position)")
         for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "max_position_embeddings", "num_target_layers", "vocab_size", "sliding_window"):
+                    "max_position_embeddings", "num_target_layers", "vocab_size", "sliding_window", "draft_vocab_size"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise DFlashError(f"dflash.{key}={value}: expected a positive integer or null")
@@ -138,6 +143,9 @@ class DFlashConfig:
         if self.mask_token_id is not None and self.vocab_size is not None and self.mask_token_id >= self.vocab_size:
             raise DFlashError(f"dflash.mask_token_id={self.mask_token_id}: expected an id below vocab_size "
                               f"{self.vocab_size}")
+        if None not in (self.draft_vocab_size, self.vocab_size) and self.draft_vocab_size > self.vocab_size:
+            raise DFlashError(f"dflash.draft_vocab_size={self.draft_vocab_size}: expected at most the verifier's "
+                              f"vocabulary ({self.vocab_size}) or null")
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and kv is not None and heads % kv:
             raise DFlashError(f"dflash.num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")

@@ -5,6 +5,8 @@ the outputs of chosen verifier layers. Its parameters and its `forward` are thos
 Parameters: layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,k}_norm.weight,
 layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight, norm.weight,
 fc.weight [H, n*H], hidden_norm.weight. No embedding and no lm_head: the verifier's are read (frozen, shared).
+With `draft_vocab_size` set (not the reference's), the drafter also has its own lm_head.weight [Vd, H], trained, and
+the buffers d2t [Vd] (target id - draft id) and t2d [V] (bool) of EAGLE-3's draft vocabulary.
 
 API for the spec-decode engine (shapes: B rows, n context tokens, N = block_size, H hidden, L = len(target layers)):
 
@@ -23,7 +25,8 @@ API for the spec-decode engine (shapes: B rows, n context tokens, N = block_size
       is the engine's: it puts the layer's cached context keys/values (slots < p_b, nothing else) in front of the
       block's own k/v and returns the attention output (B, N, nh*d) (bidirectional over context + block for
       full_attention layers; `drafter.attention_mask` builds that mask for a cache of slots = positions).
-  drafter.logits(hidden) -> (B, N, V): the verifier's lm_head; block position j >= 1 proposes the token at p_b + j.
+  drafter.logits(hidden) -> (B, N, V): the verifier's lm_head, or the drafter's own over its draft vocabulary
+      spread into the verifier's (-inf at tokens outside it); block position j >= 1 proposes the token at p_b + j.
   drafter.attention_mask(context_lengths (B,), num_slots, position_ids (B, N)) -> (B, 1, N, num_slots + N) bool
       For keys laid out [cache slots 0..num_slots-1 | block]: slot s visible iff s < context_lengths[b] (and
       within the window, causal, for sliding layers: pass layer_idx).
@@ -54,6 +57,7 @@ from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_c
 from draftheads.models.dflash.losses import dflash_loss
 from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
+from draftheads.models.eagle.vocab import draft_to_target, select_draft_vocab, target_to_draft
 
 
 class DFlashCache:
@@ -103,7 +107,8 @@ class DFlashDrafter(nn.Module):
     """See the module docstring. Build with `build_drafter(verifier, cfg)` (or `DFlashDrafter(resolved_cfg)` for a
     bare model, then `attach(verifier)` to read its embedding and lm_head)."""
 
-    def __init__(self, cfg: DFlashConfig, verifier=None):
+    def __init__(self, cfg: DFlashConfig, verifier=None, d2t: torch.Tensor | None = None,
+                 t2d: torch.Tensor | None = None):
         super().__init__()
         if not cfg.resolved:
             raise DFlashError("DFlashDrafter needs a resolved config (cfg.resolve(verifier.config))")
@@ -113,6 +118,18 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        if cfg.draft_vocab_size is not None:  # its own lm_head over a draft vocabulary (maps: placeholders until
+            V, Vd = cfg.vocab_size, cfg.draft_vocab_size  # given, or loaded with the state dict)
+            if d2t is None:
+                d2t, t2d = select_draft_vocab(torch.zeros(V, dtype=torch.long), Vd)
+            if t2d is None or d2t.shape != (Vd,) or t2d.shape != (V,) or d2t.dtype != torch.long \
+                    or t2d.dtype != torch.bool or int(t2d.sum()) != Vd:
+                raise DFlashError(f"draft vocabulary maps must be d2t int64 [{Vd}] and t2d bool [{V}] with {Vd} set")
+            self.lm_head = nn.Linear(H, Vd, bias=False)
+            # Saved only for a pruned vocabulary: over the whole one they are the identity, and vLLM refuses a d2t
+            # there (its drafter then has no draft_id_to_target_id to load it into).
+            self.register_buffer("d2t", d2t.clone(), persistent=Vd < V)
+            self.register_buffer("t2d", t2d.clone(), persistent=Vd < V)
         self._held = _Held(embed_tokens=None, lm_head=None)
         if verifier is not None:
             self.attach(verifier)
@@ -139,6 +156,15 @@ class DFlashDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    @property
+    def own_lm_head(self) -> bool:
+        """True when the drafter has its own lm_head over a draft vocabulary (`draft_vocab_size`)."""
+        return self.cfg.draft_vocab_size is not None
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """(Vd,) the verifier token id of each draft-vocabulary id (own lm_head only)."""
+        return draft_to_target(torch.arange(self.d2t.numel(), device=self.d2t.device), self.d2t)
 
     @property
     def mask_token_id(self) -> int:
@@ -172,9 +198,18 @@ class DFlashDrafter(nn.Module):
             return F.embedding(input_ids, self._need_verifier().embed_tokens.weight).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(B, N, H) -> (B, N, V): the verifier's lm_head."""
+        """(..., H) -> (..., V): the verifier's lm_head, or the drafter's own (draft_logits) placed at its tokens'
+        verifier ids, -inf elsewhere (as vLLM spreads a pruned vocabulary), so argmax and softmax need no map."""
+        if self.own_lm_head:
+            draft = self.draft_logits(hidden)
+            out = draft.new_full((*draft.shape[:-1], self.cfg.vocab_size), float("-inf"))
+            return out.index_copy(-1, self.draft_token_ids(), draft)
         lm_head = self._need_verifier().lm_head
         return lm_head(hidden.to(lm_head.weight.dtype))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., Vd): the drafter's own lm_head (own lm_head only)."""
+        return self.lm_head(hidden.to(self.lm_head.weight.dtype))
 
     # ---- the computation -----------------------------------------------------------------------------------------
     def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -309,8 +344,16 @@ class DFlashDrafter(nn.Module):
                                      -1)  # (B, A, N-1)
         targets = data_targets if cfg.targets == "data" else greedy_targets
         teacher = (lambda k: self._teacher_at(features, anchors, k)) if cfg.loss == "kl" else None
-        loss, step_losses = dflash_loss(hidden, self._need_verifier().lm_head.weight, targets, trained,
-                                        cfg.loss_gamma, teacher)
+        lm_weight, trained_here = self._need_verifier().lm_head.weight, trained
+        if self.own_lm_head:  # targets as draft ids; one outside the draft vocabulary is not trained (EAGLE-3's
+            lm_weight = self.lm_head.weight  # skip_out_of_draft) but still scored, as a miss
+            targets = target_to_draft(targets, self.t2d)
+            trained_here = trained & (targets >= 0)
+            targets = targets.clamp(min=0)
+            if teacher is not None:  # the verifier's distribution over the draft vocabulary's columns
+                columns = self.draft_token_ids()
+                teacher = (lambda k: self._teacher_at(features, anchors, k)[..., columns])
+        loss, step_losses = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma, teacher)
         with torch.no_grad():
             K = N - 1
             correct = torch.stack([self.logits(hidden[:, :, k]).argmax(-1) == greedy_targets[:, :, k]
@@ -368,13 +411,24 @@ def zero_mask_warning(cfg: DFlashConfig, mask_embedding: torch.Tensor) -> str | 
             "average; choose a token whose embedding row is not zero (leave it null for one)")
 
 
-def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None) -> DFlashDrafter:
+def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None,
+                  token_counts: torch.Tensor | None = None) -> DFlashDrafter:
     """A fresh drafter for `verifier` (its config resolved from the verifier's; fp32 unless `dtype`), on the
     verifier's device, reading the verifier's embedding and lm_head. Its final norm starts as the verifier's (the
-    per-channel scale the verifier's lm_head is used to reading), as EAGLE-3's does."""
+    per-channel scale the verifier's lm_head is used to reading), as EAGLE-3's does. With `draft_vocab_size` set,
+    its own lm_head starts as the verifier's rows of the draft vocabulary: the `draft_vocab_size` tokens most
+    frequent in `token_counts` ((V,) from models.eagle.count_tokens over the training data; needed unless the
+    draft vocabulary is the whole vocabulary)."""
     resolved = cfg.resolve(verifier.config, verifier.embed_tokens.weight)
     verifier.check_layer_ids([i + 1 for i in resolved.target_layer_ids], key="dflash.target_layer_ids (+1)")
-    drafter = DFlashDrafter(resolved, verifier)
+    d2t = t2d = None
+    if resolved.draft_vocab_size is not None:
+        V, Vd = resolved.vocab_size, resolved.draft_vocab_size
+        if token_counts is None and Vd < V:
+            raise DFlashError(f"dflash.draft_vocab_size={Vd} < vocab {V}: pass token counts of the training data "
+                              "(build_drafter(..., token_counts=count_tokens(...))) to choose the draft vocabulary")
+        d2t, t2d = select_draft_vocab(torch.zeros(V, dtype=torch.long) if token_counts is None else token_counts, Vd)
+    drafter = DFlashDrafter(resolved, verifier, d2t=d2t, t2d=t2d)
     mask_row = verifier.embed_tokens.weight[resolved.mask_token_id]
     warning = blind_positions_warning(resolved, mask_row) or zero_mask_warning(resolved, mask_row)
     if warning:
@@ -383,6 +437,8 @@ def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None)
         drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
         if resolved.init_std is not None:
             normal_init(drafter.modules(), resolved.init_std)
+        if drafter.own_lm_head:  # after init_std: the head starts as the verifier's rows, whatever the layers do
+            drafter.lm_head.weight.copy_(verifier.lm_head.weight.detach().float().cpu()[drafter.draft_token_ids()])
         if resolved.init_layers is not None:
             for layer, source in zip(drafter.layers, resolved.init_layers):
                 copy_verifier_layer(layer, verifier.layers[source], f"dflash.init_layers: verifier layer {source}")

@@ -38,6 +38,11 @@ CHECKED_FIELDS = ("speculators_model_type", "transformer_layer_config", "draft_v
 
 def check(cfg) -> None:
     dflash_vllm.check(cfg)
+    if cfg.draft_vocab_size is not None:
+        raise dflash_vllm.error(
+            f"dflash.draft_vocab_size={cfg.draft_vocab_size} with engine speculators: this layout writes drafters "
+            "that read the verifier's lm_head (its own lm_head is written and checked for engine vllm only); "
+            "export for engine vllm, or set dflash.draft_vocab_size=null")
     types = {cfg.layer_type(i) for i in range(cfg.num_hidden_layers)}
     if types == {"full_attention", "sliding_attention"}:
         raise dflash_vllm.error(

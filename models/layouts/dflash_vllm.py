@@ -14,6 +14,10 @@
           layers.i.mlp.{gate,up,down}_proj.weight, layers.i.{input_layernorm,post_attention_layernorm}.weight.
           No embed_tokens and no lm_head: every reader shares the verifier's (the mask token is the verifier's
           embedding row `mask_token_id`), and no mask_hidden (vLLM asserts there is none).
+          A drafter with its own lm_head (`dflash.draft_vocab_size`, not z-lab's) adds lm_head.weight [Vd, H], the
+          config's draft_vocab_size, and for a pruned vocabulary d2t [Vd] (target id - draft id) and t2d [V]: vLLM
+          keeps a file's lm_head that differs from the verifier's (`has_own_lm_head`), maps d2t into
+          draft_id_to_target_id when draft_vocab_size differs from the verifier's vocabulary, and skips t2d.
 
 What vLLM 0.32 does with the folder (and why the layout is as it is):
   - Serving: speculative_config {"method": "dflash", "model": FOLDER, "num_speculative_tokens": K}. K is required
@@ -50,7 +54,7 @@ ARCHITECTURE = "DFlashDraftModel"
 CHECKED_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
                   "rope_parameters", "attention_bias", "layer_types", "sliding_window", "vocab_size",
-                  "num_target_layers", "block_size", "dflash_config")
+                  "num_target_layers", "block_size", "dflash_config", "draft_vocab_size")
 
 
 def error(message: str) -> Exception:
@@ -105,7 +109,8 @@ def layer_config(cfg) -> dict:
 
 def config(drafter, verifier=None, num_speculative_tokens: int | None = None) -> dict:
     cfg = drafter.cfg
-    return {"architectures": [ARCHITECTURE], **layer_config(cfg), "num_target_layers": cfg.num_target_layers,
+    own = {} if cfg.draft_vocab_size is None else {"draft_vocab_size": cfg.draft_vocab_size}
+    return {"architectures": [ARCHITECTURE], **layer_config(cfg), **own, "num_target_layers": cfg.num_target_layers,
             "block_size": cfg.block_size,
             "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
             "torch_dtype": dtype_name(drafter.dtype), "dtype": dtype_name(drafter.dtype)}

@@ -21,7 +21,8 @@ N = 5  # block size
 
 
 @pytest.mark.parametrize("settings", [{"loss": "ce"}, {"loss": "kl"},
-                                      {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}])
+                                      {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3},
+                                      {"draft_vocab_size": 64}])
 def test_training_blocks_draft_and_accept_as_the_engine(settings):
     model = peaked_model("qwen3")
     verifier = Verifier(model)
@@ -29,8 +30,9 @@ def test_training_blocks_draft_and_accept_as_the_engine(settings):
     corpus = greedy_corpus(model, prompts, 24)
     torch.manual_seed(0)
     layers = len(settings.get("layer_types", [None]))
+    counts = torch.bincount(torch.tensor([t for row in corpus for t in row]), minlength=verifier.vocab_size)
     drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=layers, block_size=N, target_layer_ids=[0, 2],
-                                                   mask_token_id=0, num_anchors=16, **settings))
+                                                   mask_token_id=0, num_anchors=16, **settings), token_counts=counts)
     drafter = train_eagle_briefly(drafter, verifier, corpus, steps=15, lr=1e-2)
 
     row = corpus[0]

@@ -299,3 +299,33 @@ def test_bad_init_is_refused_in_one_line(verifier, overrides, message):
     with pytest.raises(DFlashError, match=message) as err:
         build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, **overrides))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("loss", ["ce", "kl"])
+def test_own_lm_head_loss_matches_slow_reference(verifier, loss):
+    """dflash.draft_vocab_size: the loss over the drafter's own lm_head; a target outside the draft vocabulary is
+    not trained (the slow reference: those positions masked, the logits over the draft columns)."""
+    counts = torch.arange(64) % 7
+    torch.manual_seed(0)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, loss=loss, draft_vocab_size=40),
+                            token_counts=counts).eval()
+    cols = drafter.draft_token_ids()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    loss_mask = torch.ones(2, 12, dtype=torch.long)
+    anchors = sample_anchors(loss_mask, 5, generator=g)
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    out = drafter.training_loss(ids, feats, loss_mask, anchors=anchors)
+    greedy = verifier.lm_head(feats.final).argmax(-1)  # (B, T): the verifier's greedy token after each position
+    targets = ids if drafter.cfg.targets == "data" else torch.cat([ids[:, :1], greedy[:, :-1]], 1)
+    assert not drafter.t2d[targets].all()  # some targets are outside the draft vocabulary
+    with torch.no_grad():
+        hidden = drafter.anchored_hidden(ids, torch.cat(feats.layers, -1), *anchors)
+        logits = drafter.logits(hidden[:, :, 1:])[..., cols]
+        teacher = verifier.lm_head(feats.final)[..., cols] if loss == "kl" else None
+    rank = torch.cumsum(drafter.t2d.long(), 0) - 1
+    expected = slow_loss(logits, rank[ids].clamp(min=0), loss_mask * drafter.t2d[targets], *anchors,
+                         drafter.cfg.loss_gamma, teacher)
+    assert torch.allclose(out.loss.double(), expected, atol=1e-5)
+    out.loss.backward()
+    assert drafter.lm_head.weight.grad.abs().sum() > 0 and verifier.lm_head.weight.grad is None

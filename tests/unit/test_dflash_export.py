@@ -146,3 +146,51 @@ def test_vllms_reading_of_other_folders(tmp_path, verifiers):
     spec, spec_tensors = read(export_dflash(make(verifier), tmp_path / "s", verifier, engine="speculators"))
     spec["sliding_window_non_causal"] = False  # the speculators library's default when saving
     assert dflash_reading(spec, spec_tensors, verifier).layer_types == ["causal_full"] * 2
+
+
+def _own_head(verifier, size):
+    """A drafter with its own lm_head over the `size` most frequent tokens of a made-up count, its rows moved off
+    the verifier's (as training would)."""
+    counts = torch.arange(verifier.vocab_size).flip(0) * 3 % 17  # a vocabulary order that is not the id order
+    torch.manual_seed(0)
+    cfg = DFlashConfig(num_hidden_layers=2, block_size=4, target_layer_ids=[0, 2], mask_token_id=5,
+                       draft_vocab_size=size)
+    drafter = build_drafter(verifier, cfg, token_counts=counts)
+    with torch.no_grad():
+        drafter.lm_head.weight.add_(torch.randn_like(drafter.lm_head.weight) * 0.1)
+    return drafter.eval()
+
+
+@pytest.mark.parametrize("pruned", [True, False])
+def test_own_lm_head_is_written_read_back_and_read_by_vllm(tmp_path, verifiers, pruned):
+    """dflash.draft_vocab_size: lm_head.weight (+ d2t / t2d for a pruned vocabulary) and draft_vocab_size in the
+    export; our reload and vLLM's reading give the drafter that wrote it (the same logits), and its logits are -inf
+    outside the draft vocabulary."""
+    verifier = verifiers["llama"]
+    size = 100 if pruned else verifier.vocab_size
+    drafter = _own_head(verifier, size)
+    start = verifier.lm_head.weight[drafter.draft_token_ids()]
+    assert drafter.lm_head.weight.shape == (size, 64) and not torch.equal(drafter.lm_head.weight, start)
+    folder = export_dflash(drafter, tmp_path / "d", verifier)
+    config, tensors = read(folder)
+    assert config["draft_vocab_size"] == size and tensors["lm_head.weight"].shape == (size, 64)
+    assert ("d2t" in tensors and "t2d" in tensors) == pruned  # vLLM refuses a d2t over the whole vocabulary
+    reading = dflash_reading({k: v for k, v in config.items() if k != "draftheads"}, tensors, verifier)
+    assert reading.own_lm_head and reading.unsupported(verifier) == []
+    hidden = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        want = drafter.logits(hidden)
+        for other in (load_dflash(folder, verifier), reading.drafter(verifier)):
+            assert torch.equal(other.logits(hidden), want)
+    outside = torch.ones(verifier.vocab_size, dtype=torch.bool)
+    outside[drafter.draft_token_ids()] = False
+    assert int(outside.sum()) == verifier.vocab_size - size and torch.isinf(want[..., outside]).all()
+    assert not torch.isinf(want[..., ~outside]).any()
+    for engine in ("speculators", "sglang"):
+        with pytest.raises(DFlashError, match=f"dflash.draft_vocab_size=100 with engine {engine}"):
+            check_dflash_engine(DFlashConfig(draft_vocab_size=100), engine)
+    if pruned:  # a pruned vocabulary needs the data's counts, and a d2t vLLM can map with
+        with pytest.raises(DFlashError, match="draft_vocab_size=100 < vocab"):
+            build_drafter(verifier, DFlashConfig(num_hidden_layers=1, draft_vocab_size=100))
+        no_map = dflash_reading(config, {k: v for k, v in tensors.items() if k != "d2t"}, verifier)
+        assert "without a d2t" in no_map.unsupported(verifier)[0]

@@ -32,17 +32,21 @@ from tests.utils import greedy_corpus, hf_greedy, peaked_model, save_tiny_verifi
 pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
 
 K, MAX_NEW = 3, 32
+OWN_VOCAB = 96  # the own-lm_head case's draft vocabulary (of the verifier's SIZE vocab_size)
 BATCHES = [PROMPTS[:1], PROMPTS]
 
 
-def trained_drafter(verifier, corpus):
-    """One DFlash layer reading the outputs of verifier layers 0 and 2, block 4, trained a few steps."""
+def trained_drafter(verifier, corpus, draft_vocab_size=None):
+    """One DFlash layer reading the outputs of verifier layers 0 and 2, block 4, trained a few steps; with
+    `draft_vocab_size`, its own lm_head over the corpus's most frequent tokens."""
     import torch
 
     torch.manual_seed(0)
     cfg = DFlashConfig(num_hidden_layers=1, block_size=K + 1, target_layer_ids=[0, 2], mask_token_id=0,
-                       num_anchors=64)
-    return train_eagle_briefly(build_drafter(verifier, cfg), verifier, corpus, steps=20, lr=1e-2)
+                       num_anchors=64, draft_vocab_size=draft_vocab_size)
+    counts = torch.bincount(torch.tensor([t for row in corpus for t in row]), minlength=verifier.vocab_size)
+    return train_eagle_briefly(build_drafter(verifier, cfg, token_counts=counts), verifier, corpus, steps=20,
+                               lr=1e-2)
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +58,15 @@ def interop(tmp_path_factory, vllm_ready):
         vdir = root / family / "verifier"
         model.save_pretrained(vdir, safe_serialization=True)
         verifier = Verifier.from_pretrained(vdir)
-        drafter = trained_drafter(verifier, greedy_corpus(verifier.model, FIT, 40))
+        corpus = greedy_corpus(verifier.model, FIT, 40)
+        drafter = trained_drafter(verifier, corpus)
         references[family] = {tuple(p): hf_greedy(verifier.model, p, MAX_NEW) for p in PROMPTS}
-        engines = ["vllm", "speculators"] if family == "qwen3" else ["vllm"]
+        engines = ["vllm", "speculators"] if family == "qwen3" else ["vllm", "vllm-own-head"]
         for engine in engines:
             name = f"{family}-dflash-{engine}"
-            folder = export_dflash(drafter, root / family / engine, verifier, engine=engine)
+            if engine == "vllm-own-head":  # its own lm_head over a pruned vocabulary: lm_head, d2t in the folder
+                drafter, engine = trained_drafter(verifier, corpus, draft_vocab_size=OWN_VOCAB), "vllm"
+            folder = export_dflash(drafter, root / family / name, verifier, engine=engine)
             cases.append(VllmCase(name, str(vdir), str(folder), "dflash", batches=BATCHES, k=K, max_tokens=MAX_NEW,
                                   serve_drafter=engine == "speculators"))
             dec = build_decoder(verifier, draft=str(folder), method="dflash", first_token="prefill")
@@ -68,7 +75,8 @@ def interop(tmp_path_factory, vllm_ready):
     return {"ours": ours, "vllm": {c["name"]: c for c in result["cases"]}, "references": references}
 
 
-@pytest.mark.parametrize("name", ["llama-dflash-vllm", "qwen3-dflash-vllm", "qwen3-dflash-speculators"])
+@pytest.mark.parametrize("name", ["llama-dflash-vllm", "llama-dflash-vllm-own-head", "qwen3-dflash-vllm",
+                                  "qwen3-dflash-speculators"])
 def test_vllm_decodes_like_plain_greedy_and_accepts_what_we_accept(interop, name):
     vllm = interop["vllm"][name]
     assert vllm["ok"], f"vLLM refused {name}: {vllm.get('error')}\n{vllm.get('traceback')}"
@@ -100,15 +108,17 @@ def test_serve_check_passes_dflash_exports_and_fails_an_edited_one(tmp_path, cap
     drafter = trained_drafter(verifier, greedy_corpus(verifier.model, prompts, 40))
     good = export_dflash(drafter, tmp_path / "dflash", verifier)
     spec = export_dflash(drafter, tmp_path / "speculators", verifier, engine="speculators")
+    own = export_dflash(trained_drafter(verifier, greedy_corpus(verifier.model, prompts, 40),
+                                        draft_vocab_size=verifier.vocab_size // 2), tmp_path / "own-head", verifier)
     broken = export_dflash(drafter, tmp_path / "broken", verifier)  # target layers edited after training
     config = json.loads((broken / "config.json").read_text())
     config["dflash_config"]["target_layer_ids"] = [1, 2]
     (broken / "config.json").write_text(json.dumps(config))
-    code = serve_check.main(["--verifier", str(vdir), "--draft", str(good), str(spec), str(broken),
+    code = serve_check.main(["--verifier", str(vdir), "--draft", str(good), str(spec), str(own), str(broken),
                              "--num-prompts", "3", "--max-new-tokens", "24"])
     out = capsys.readouterr().out
     assert code == 1, out
-    for folder in (good, spec):
+    for folder in (good, spec, own):
         line = next(x for x in out.splitlines() if x.startswith(f"VERDICT {folder}:"))
         assert line.startswith(f"VERDICT {folder}: PASS"), out
     line = next(x for x in out.splitlines() if x.startswith(f"VERDICT {broken}:"))
