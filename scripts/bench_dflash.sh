@@ -18,6 +18,8 @@
 # config, the others full; the target layers then default to one per drafter layer.
 # DFLASH_EXTRA_ANCHORS="4:64" also trains DFlash at block 4 with 64 anchored blocks per row (label b4a64; the
 # config has 128): the same rows and steps, fewer blocks trained from each.
+# DFLASH_EXTRA_VOCAB="5:2048" also trains DFlash at block 5 with its own lm_head over a 2048-token draft vocabulary
+# (label b5v2048; dflash.draft_vocab_size, as EAGLE-3's config has): the config's drafters read the verifier's head.
 #
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
@@ -36,6 +38,11 @@ EXTRA_ANCHORS=${DFLASH_EXTRA_ANCHORS:-}
 for pair in $EXTRA_ANCHORS; do
   [[ $pair =~ ^[0-9]+:[1-9][0-9]*$ ]] || { echo "DFLASH_EXTRA_ANCHORS: '$pair': expected BLOCK:ANCHORS pairs of" \
     "integers (1 anchor or more) separated by spaces, e.g. '4:128'" >&2; exit 2; }
+done
+EXTRA_VOCAB=${DFLASH_EXTRA_VOCAB:-}
+for pair in $EXTRA_VOCAB; do
+  [[ $pair =~ ^[0-9]+:[1-9][0-9]*$ ]] || { echo "DFLASH_EXTRA_VOCAB: '$pair': expected BLOCK:VOCAB pairs of" \
+    "integers (a vocabulary of 1 token or more) separated by spaces, e.g. '5:2048'" >&2; exit 2; }
 done
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
@@ -100,6 +107,10 @@ done
 for pair in $EXTRA_ANCHORS; do
   b=${pair%:*} a=${pair#*:}
   dflash "b${b}a$a" --dflash.block_size="$b" --dflash.num_anchors="$a"
+done
+for pair in $EXTRA_VOCAB; do
+  b=${pair%:*} v=${pair#*:}
+  dflash "b${b}v$v" --dflash.block_size="$b" --dflash.draft_vocab_size="$v"
 done
 wait
 for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log

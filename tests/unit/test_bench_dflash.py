@@ -1,5 +1,5 @@
-"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS or DFLASH_EXTRA_ANCHORS in
-one line, before it sets anything up or trains anything."""
+"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS, DFLASH_EXTRA_ANCHORS or
+DFLASH_EXTRA_VOCAB in one line, before it sets anything up or trains anything."""
 
 import os
 import subprocess
@@ -42,3 +42,10 @@ def test_malformed_extra_anchors_are_refused_in_one_line(tmp_path, value, bad):
     assert refusal(tmp_path, "DFLASH_EXTRA_ANCHORS", value) == (
         f"DFLASH_EXTRA_ANCHORS: '{bad}': expected BLOCK:ANCHORS pairs of integers (1 anchor or more) separated by "
         "spaces, e.g. '4:128'")
+
+
+@pytest.mark.parametrize("value, bad", [("5:2048 8", "8"), ("5:0", "5:0"), ("5-2048", "5-2048"), ("5:v2048", "5:v2048")])
+def test_malformed_extra_vocab_is_refused_in_one_line(tmp_path, value, bad):
+    assert refusal(tmp_path, "DFLASH_EXTRA_VOCAB", value) == (
+        f"DFLASH_EXTRA_VOCAB: '{bad}': expected BLOCK:VOCAB pairs of integers (a vocabulary of 1 token or more) "
+        "separated by spaces, e.g. '5:2048'")
