@@ -79,10 +79,14 @@ def signature(config: dict) -> dict:
 
 
 def differences(old: dict, new: dict) -> list[str]:
+    """'key: old -> new' for each flattened key that differs. A key only one side has, null on the other, is no
+    difference: a setting a newer version added at its null default (this project's options default to null or to
+    what the code did before them, e.g. dflash.draft_vocab_size) does not make a run started before it another run."""
     keys = sorted(set(old) | set(new))
     missing = object()
     return [f"{k}: {old.get(k, '(unset)')!r} -> {new.get(k, '(unset)')!r}" for k in keys
-            if old.get(k, missing) != new.get(k, missing)]
+            if old.get(k, missing) != new.get(k, missing)
+            and not (k not in old and new[k] is None) and not (k not in new and old[k] is None)]
 
 
 def read_record(path: Path) -> dict:
@@ -145,11 +149,13 @@ def run_inputs(cfg, known: dict | None = None) -> dict:
 
 
 def run_digest(record: dict) -> str:
-    """The run's identity: its result-deciding settings and its inputs' contents, 16 hex digits."""
+    """The run's identity: its result-deciding settings and its inputs' contents, 16 hex digits. Null settings are
+    left out, as `differences` ignores a setting one side lacks and the other has at null."""
     import hashlib
 
     inputs = {k: v.get("digest") for k, v in (record.get("inputs") or {}).items()}
-    return hashlib.sha256(json.dumps([record["signature"], inputs], sort_keys=True).encode()).hexdigest()[:16]
+    settings = {k: v for k, v in record["signature"].items() if v is not None}
+    return hashlib.sha256(json.dumps([settings, inputs], sort_keys=True).encode()).hexdigest()[:16]
 
 
 def what_differs(theirs: dict, mine: dict) -> str:
@@ -239,7 +245,7 @@ def claim(cfg) -> str:
         theirs = None
         if moved is not None:
             note = f"[run] train.resume=none: the earlier run in {folder} was moved to {moved}; starting over"
-    elif theirs is not None and theirs["signature"] != mine["signature"]:
+    elif theirs is not None and differences(theirs["signature"], mine["signature"]):
         differs = what_differs({"signature": theirs["signature"]}, mine)
         raise ConfigError(f"output_dir={str(folder)!r} holds another run ({differs}). "
                           f"{START_OVER.format(folder=folder)}")
@@ -292,8 +298,8 @@ def record_resolved(cfg, name: str, values: dict) -> None:
         if path is not None and (path / RUN_FILE).is_file():
             earlier[str(path)] = (read_record(path / RUN_FILE).get("resolved") or {}).get(name)
     for where, theirs in earlier.items():
-        if theirs is not None and theirs != values:
-            diff = differences(flatten(theirs), flatten(values))
+        diff = differences(flatten(theirs), flatten(values)) if theirs is not None else []
+        if diff:
             raise ConfigError(
                 f"output_dir={str(folder)!r}: {where} resolved the {name} settings otherwise when the run started "
                 f"({'; '.join(f'{name}.{d}' for d in diff)}): this version's defaults differ, and continuing would "
