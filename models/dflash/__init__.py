@@ -10,7 +10,8 @@ block [x_p, MASK x (N-1)] (the verifier's embedding of each id, frozen) goes thr
 p .. p+N-1. In every layer the queries come from the block, the keys and values from [ctx_0 .. ctx_{p-1}; block]
 (k_norm and RoPE on both; the context's depend only on ctx, so they are cached across steps); attention is
 bidirectional (sliding-window layers: causal within the window). After the final norm, the verifier's lm_head at
-block position k (1 <= k < N) proposes x_{p+k}: N-1 draft tokens, verified as a chain (+ the bonus token).
+block position k (1 <= k < N) proposes x_{p+k}: N-1 draft tokens, verified as a chain (+ the bonus token). With
+`draft_vocab_size` set (not z-lab's), the drafter's own trained lm_head over a draft vocabulary does instead.
 
 Training (models/dflash/blocks.py, losses.py): A random anchors per row at loss-masked positions, all blocks in
 one forward over the row's whole context with the anchored block mask (a block sees the context strictly before its
