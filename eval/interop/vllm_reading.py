@@ -407,14 +407,13 @@ class DFlashReading:
         from draftheads.models.dflash import DFlashDrafter, DFlashError
 
         cfg = self.config(verifier)
+        weights = {k: v.to(dtype) for k, v in self.weights.items()}
+        maps = {}
+        if self.own_lm_head and self.d2t is not None and cfg.draft_vocab_size < verifier.vocab_size:
+            d2t, t2d, order = monotone_maps(self.d2t, verifier.vocab_size)  # as the EAGLE-3 reading does
+            weights["lm_head.weight"] = weights["lm_head.weight"][order]
+            maps = {"d2t": d2t, "t2d": t2d}
         try:
-            weights = {k: v.to(dtype) for k, v in self.weights.items()}
-            maps = {}
-            if self.own_lm_head and self.d2t is not None and cfg.draft_vocab_size < verifier.vocab_size:
-                d2t = self.d2t.long()
-                t2d = torch.zeros(verifier.vocab_size, dtype=torch.bool)
-                t2d[torch.arange(d2t.numel()) + d2t] = True
-                maps = {"d2t": d2t, "t2d": t2d}
             drafter = DFlashDrafter(cfg, verifier, **maps).to(dtype=dtype)
             weights.update(maps)
             expected = drafter.state_dict()

@@ -57,7 +57,7 @@ from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_c
 from draftheads.models.dflash.losses import dflash_loss
 from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
-from draftheads.models.eagle.vocab import draft_to_target, select_draft_vocab, target_to_draft
+from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab, target_to_draft
 
 
 class DFlashCache:
@@ -122,9 +122,10 @@ class DFlashDrafter(nn.Module):
             V, Vd = cfg.vocab_size, cfg.draft_vocab_size  # given, or loaded with the state dict)
             if d2t is None:
                 d2t, t2d = select_draft_vocab(torch.zeros(V, dtype=torch.long), Vd)
-            if t2d is None or d2t.shape != (Vd,) or t2d.shape != (V,) or d2t.dtype != torch.long \
-                    or t2d.dtype != torch.bool or int(t2d.sum()) != Vd:
-                raise DFlashError(f"draft vocabulary maps must be d2t int64 [{Vd}] and t2d bool [{V}] with {Vd} set")
+            problem = maps_problem(d2t, t2d, V) or (None if d2t.numel() == Vd else
+                                                    f"d2t has {d2t.numel()} entries; draft_vocab_size is {Vd}")
+            if problem:
+                raise DFlashError(problem)
             self.lm_head = nn.Linear(H, Vd, bias=False)
             # Saved only for a pruned vocabulary: over the whole one they are the identity, and vLLM refuses a d2t
             # there (its drafter then has no draft_id_to_target_id to load it into).

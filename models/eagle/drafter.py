@@ -23,11 +23,7 @@ from draftheads.models.eagle.layer import (
 from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
 from draftheads.models.eagle.ttt import ttt_attention
-from draftheads.models.eagle.vocab import (
-    draft_to_target,
-    select_draft_vocab,
-    target_to_draft,
-)
+from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
 
 
 class EagleDrafter(nn.Module):
@@ -345,11 +341,9 @@ class Eagle3Drafter(EagleDrafter):
                     f"eagle.draft_vocab_size={size} < vocab {V}: pass token counts of the training data "
                     "(build_drafter(..., token_counts=count_tokens(...))) to choose the draft vocabulary")
             d2t, t2d = select_draft_vocab(torch.zeros(V, dtype=torch.long), V)
-        if t2d is None or t2d.numel() != V or d2t.dtype != torch.long or t2d.dtype != torch.bool:
-            raise EagleError(f"draft vocab maps must be d2t int64 [Vd] and t2d bool [{V}]")
-        if not torch.equal(target_to_draft(draft_to_target(torch.arange(d2t.numel()), d2t), t2d),
-                           torch.arange(d2t.numel())):
-            raise EagleError("d2t and t2d disagree: draft id -> target id -> draft id does not round-trip")
+        problem = maps_problem(d2t, t2d, V)
+        if problem:
+            raise EagleError(problem)
         Vd = d2t.numel()
         H = self.hidden_size
         self.register_buffer("d2t", d2t.clone())

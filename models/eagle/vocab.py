@@ -30,6 +30,20 @@ def select_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[tor
     return d2t.long(), t2d
 
 
+def maps_problem(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int) -> str | None:
+    """Why (d2t, t2d) are not the maps of a draft vocabulary over `vocab_size` tokens (one line), or None: d2t int64
+    [Vd], t2d bool [V] with Vd tokens set, and draft id -> target id -> draft id the identity."""
+    if t2d is None or d2t.dim() != 1 or t2d.shape != (vocab_size,) or d2t.dtype != torch.long \
+            or t2d.dtype != torch.bool:
+        return f"draft vocab maps must be d2t int64 [Vd] and t2d bool [{vocab_size}]"
+    ids = torch.arange(d2t.numel(), device=d2t.device)
+    targets = draft_to_target(ids, d2t)
+    if int(t2d.sum()) != d2t.numel() or bool(((targets < 0) | (targets >= vocab_size)).any()) \
+            or not torch.equal(target_to_draft(targets, t2d.to(d2t.device)), ids):
+        return "d2t and t2d disagree: draft id -> target id -> draft id does not round-trip"
+    return None
+
+
 def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     """Verifier token ids of draft ids (the vLLM/SGLang offset convention)."""
     return draft_ids + d2t[draft_ids]

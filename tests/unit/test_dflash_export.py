@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from draftheads.eval.interop.vllm_reading import dflash_expected_weights, dflash_pretrained, dflash_reading
+from draftheads.eval.interop.vllm_reading import Unreadable, dflash_expected_weights, dflash_pretrained, \
+    dflash_reading
 from draftheads.models.dflash import DFlashConfig, DFlashError, build_drafter
 from draftheads.models.export import DrafterFormatError, check_dflash_engine, export_dflash, load_dflash
 from draftheads.models.verifier import Verifier, VerifierError
@@ -194,3 +195,12 @@ def test_own_lm_head_is_written_read_back_and_read_by_vllm(tmp_path, verifiers, 
             build_drafter(verifier, DFlashConfig(num_hidden_layers=1, draft_vocab_size=100))
         no_map = dflash_reading(config, {k: v for k, v in tensors.items() if k != "d2t"}, verifier)
         assert "without a d2t" in no_map.unsupported(verifier)[0]
+        # another trainer's numbering (draft ids not in target order): read as the same drafter, renumbered
+        perm = torch.randperm(size, generator=torch.Generator().manual_seed(0))
+        targets = (torch.arange(size) + tensors["d2t"])[perm]
+        shuffled = {**tensors, "d2t": targets - torch.arange(size), "lm_head.weight": tensors["lm_head.weight"][perm]}
+        with torch.no_grad():
+            assert torch.equal(dflash_reading(config, shuffled, verifier).drafter(verifier).logits(hidden), want)
+        outside_vocab = {**tensors, "d2t": tensors["d2t"] + verifier.vocab_size}  # a target id past the vocabulary
+        with pytest.raises(Unreadable, match="outside the verifier's vocabulary"):
+            dflash_reading(config, outside_vocab, verifier).drafter(verifier)
