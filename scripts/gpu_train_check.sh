@@ -1,0 +1,160 @@
+#!/usr/bin/env bash
+# The trainers on a lent GPU (an H200; /work/.library/device/README.md), in one device call:
+#   1. smoke: train/medusa.py, train/eagle.py (EAGLE-3) and train/dflash.py on tiny-code for a few steps each, on
+#      CUDA, with the end-of-run train/serve check and the export; then the EAGLE-3 run continued to more steps
+#      from its checkpoint (the resume path with CUDA RNG and optimizer state);
+#   2. budget: EAGLE-3 (configs/eagle3-tiny.yaml) and DFlash (configs/dflash-tiny.yaml, block 5) side by side on
+#      the self-distilled rows of scripts/bench_dflash.sh, as many steps as the time left allows (the same steps and
+#      tokens for both, measured from the smoke runs' own tokens/s), each drafter copied back to $OUT to be decoded
+#      here by scripts/bench_decode.py (docs/dflash.md, "A longer budget on a GPU").
+#
+#   here, once:   PYTHON=.venv/bin/python bash scripts/gpu_train_check.sh --prepare   # .whl-train/, .cache-gpu/
+#   here, smoke:  PYTHON=/tmp/devsim/bin/python bash scripts/gpu_train_check.sh --dry-run   # CPU, a few steps
+#   on device:    bash scripts/gpu_train_check.sh    # device `run`: carry [".whl-train", ".cache-gpu/tiny-code",
+#                                                    #   ".cache-gpu/selfdistill.jsonl"], GPU_TRAIN_BUDGET_S seconds
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+MODE=${1:-run}
+start=$SECONDS
+
+if [ "$MODE" = "--prepare" ]; then
+  # The wheels of scripts/gpu_check.sh's --prepare (transformers >= 5.20 and hub 2.x for the device image) without
+  # hf_xet and tokenizers, which the image has in usable versions (the carried tree must stay under 64 MiB with the
+  # verifier), plus what the trainers import and the image lacks: datasets (and its dill, multiprocess, fsspec pins)
+  # and jsonargparse (with its signatures extra).
+  CARRY="transformers huggingface_hub kernels tomlkit httpx2 httpcore2 truststore h11 idna anyio typing_extensions
+    click regex accelerate safetensors setuptools datasets dill multiprocess fsspec jsonargparse docstring_parser
+    typeshed_client"
+  pins=$("$PY" -c "import sys, importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
+    $CARRY) || exit 1
+  rm -rf .whl-train && mkdir -p .whl-train
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl-train $pins || exit 1
+  home=${DRAFTHEADS_HOME:-$HOME/.cache/draftheads}
+  [ -f "$home/tiny-code/config.json" ] || "$PY" -m draftheads.models.tiny build --recipe default || exit 1
+  mkdir -p .cache-gpu && rm -rf .cache-gpu/tiny-code && cp -r "$home/tiny-code" .cache-gpu/tiny-code || exit 1
+  data=${GPU_TRAIN_DATA:-runs/bench-dflash-600/selfdistill.jsonl}
+  [ -f "$data" ] || PYTHONPATH=. "$PY" scripts/selfdistill_data.py --verifier tiny-code --out "$data" \
+    --num-prompts 800 || exit 1
+  cp "$data" .cache-gpu/selfdistill.jsonl
+  du -shc .whl-train .cache-gpu/tiny-code .cache-gpu/selfdistill.jsonl
+  exit 0
+fi
+
+# At most 8 files come back from $OUT: the logs go there as one archive (remade after each stage, so a run cut
+# short still returns what it wrote), each budget drafter as one more.
+BACK=${OUT:-runs/gpu-train}
+LOG=runs/gpu-train-logs
+RUNS=runs/gpu-train-runs
+rm -rf "$LOG" "$RUNS" && mkdir -p "$BACK" "$LOG" "$RUNS"
+pack() { tar -czf "$BACK/logs.tgz" -C "$LOG" . ; }
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export DRAFTHEADS_HOME=$PWD/.cache-gpu WANDB_MODE=disabled
+if [ "$MODE" = "--dry-run" ]; then
+  SMOKE_STEPS=4 BUDGET=${GPU_TRAIN_BUDGET_S:-60} MAX_STEPS=12 ROUND=2
+else
+  SMOKE_STEPS=40 BUDGET=${GPU_TRAIN_BUDGET_S:-240} MAX_STEPS=12000 ROUND=100
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$LOG/nvidia-smi.txt"
+fi
+if compgen -G ".whl-train/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-train \
+    .whl-train/*.whl || exit 1
+  export PYTHONPATH=/tmp/site-train:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+"$PY" -c "import draftheads.train.eagle" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps \
+  --no-build-isolation --no-cache-dir -e . || exit 1
+"$PY" -c "import sys, torch, transformers, accelerate, datasets; print('python', sys.version.split()[0], 'torch', \
+torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', \
+datasets.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$LOG/versions.txt"
+
+DATA=.cache-gpu/selfdistill.jsonl
+# scripts/bench_dflash.sh's settings: the self-distilled rows, 8 held out, fp32, no wandb
+COMMON=(--verifier tiny-code --wandb.enabled=false --train.mixed_precision=no --data.seq_len=256
+        --data.source="$DATA" --data.eval_rows=8)
+declare -A CFG=([medusa]=configs/medusa-tiny.yaml [eagle3]=configs/eagle3-tiny.yaml [dflash]=configs/dflash-tiny.yaml)
+declare -A SCRIPT=([medusa]=train/medusa.py [eagle3]=train/eagle.py [dflash]=train/dflash.py)
+declare -A EXTRA=([medusa]="" [eagle3]="" [dflash]="--dflash.block_size=5 --dflash.targets=data")
+
+trainer() {  # trainer LABEL NAME STEPS WARMUP [overrides...]: one run into $RUNS/LABEL, its log in $LOG/LABEL.log
+  local label=$1 name=$2 steps=$3 warmup=$4
+  shift 4
+  # shellcheck disable=SC2086
+  DRAFTHEADS_QUIET=${QUIET:-} "$PY" "${SCRIPT[$name]}" --config "${CFG[$name]}" --output_dir "$RUNS/$label" "${COMMON[@]}" ${EXTRA[$name]} \
+    --train.max_steps="$steps" --train.warmup_steps="$warmup" --train.save_every="$steps" \
+    --train.eval_every="$steps" --train.log_every=10 "$@" > "$LOG/$label.log" 2>&1
+}
+
+# 1. Smoke: the three trainers at once (one process each; the GPU is shared). EAGLE-3 is killed (SIGKILL) once its
+# step-$half checkpoint is on disk, then the same command resumes it to the end (the crash-resume contract on CUDA).
+half=$(( SMOKE_STEPS / 2 ))
+trainer smoke-medusa medusa "$SMOKE_STEPS" 1 & p1=$!
+trainer smoke-dflash dflash "$SMOKE_STEPS" 1 & p3=$!
+trainer smoke-eagle3 eagle3 "$SMOKE_STEPS" 1 --train.save_every="$half" & p2=$!
+ckpt=$RUNS/smoke-eagle3/step-$(printf %06d "$half")
+while kill -0 $p2 2>/dev/null && [ ! -d "$ckpt" ]; do sleep 0.2; done
+if [ -d "$ckpt" ]; then pkill -9 -f "output_dir $RUNS/smoke-eagle3" ; fi
+declare -A RC
+wait $p2; rc=$?
+RC[smoke-eagle3-killed]=$(( rc == 137 ? 0 : 1 ))  # 137: killed as meant; else it ended on its own (or failed) first
+echo "[gpu_train] smoke-eagle3 killed at $(ls -d "$RUNS"/smoke-eagle3/step-* 2>/dev/null | xargs -n1 basename | tr '\n' ' ')"
+cp "$LOG/smoke-eagle3.log" "$LOG/smoke-eagle3-killed.log"
+trainer smoke-eagle3 eagle3 "$SMOKE_STEPS" 1 --train.save_every="$half"
+RC[smoke-eagle3]=$?
+grep -a "\[resume\]" "$LOG/smoke-eagle3.log" | head -1
+wait $p1; RC[smoke-medusa]=$?
+wait $p3; RC[smoke-dflash]=$?
+cp "$RUNS/smoke-eagle3/metrics.jsonl" "$LOG/smoke-eagle3-metrics.jsonl" 2>/dev/null
+smoke_rc=0
+for k in smoke-medusa smoke-eagle3-killed smoke-eagle3 smoke-dflash; do
+  echo "[gpu_train] $k rc=${RC[$k]}"; [ "${RC[$k]}" -ne 0 ] && smoke_rc=1
+done
+for k in smoke-medusa smoke-eagle3 smoke-dflash; do
+  [ "${RC[$k]}" -ne 0 ] && tail -n 25 "$LOG/$k.log"
+done
+pack
+
+# 2. The budget: steps from the smoke runs' measured step rate (the slower of the two trainers), same for both.
+rate() {  # rate LABEL: the median train/tokens_per_s the run logged
+  "$PY" - "$RUNS/$1/metrics.jsonl" <<'EOF'
+import json, statistics, sys
+rates = [r["train/tokens_per_s"] for r in map(json.loads, open(sys.argv[1])) if "train/tokens_per_s" in r]
+print(statistics.median(rates[1:] or rates) if rates else 0)
+EOF
+}
+left=$(( BUDGET - (SECONDS - start) ))
+steps=$("$PY" - "$(rate smoke-eagle3)" "$(rate smoke-dflash)" "$left" "$MAX_STEPS" "$ROUND" <<'EOF'
+import sys
+e, d, left, cap, rnd = (float(x) for x in sys.argv[1:])
+slow = min(e, d) / 2048  # steps per second of the slower (8 rows of 256 tokens a step), run side by side
+print(0 if slow <= 0 else int(min(cap, slow * max(0, left - 45) * 0.8) // rnd * rnd))
+EOF
+)
+echo "[gpu_train] smoke rates (tokens/s): eagle3 $(rate smoke-eagle3) dflash $(rate smoke-dflash); ${left}s left:" \
+  "$steps steps each"
+budget_rc=0
+if [ "${steps:-0}" -ge "$ROUND" ] && [ "${steps:-0}" -ge 4 ]; then
+  warm=$(( steps >= 200 ? 20 : steps / 10 + 1 ))
+  export QUIET=1  # no progress bars in these logs
+  trainer "eagle3-$steps" eagle3 "$steps" "$warm" & q1=$!
+  trainer "dflash-b5-$steps" dflash "$steps" "$warm" & q2=$!
+  wait $q1 || budget_rc=1
+  wait $q2 || budget_rc=1
+  for label in "eagle3-$steps" "dflash-b5-$steps"; do
+    d=$RUNS/$label/drafter
+    if [ -f "$d/model.safetensors" ]; then
+      cp "$RUNS/$label/metrics.jsonl" "$LOG/$label-metrics.jsonl"
+      tar -cf "$BACK/$label.tar" -C "$RUNS/$label" drafter config.yaml metrics.jsonl
+    else
+      tail -n 25 "$LOG/$label.log"; budget_rc=1
+    fi
+  done
+else
+  echo "[gpu_train] no time left for the budget runs"; budget_rc=1
+fi
+pack
+echo "[gpu_train] smoke_rc=$smoke_rc budget_rc=$budget_rc steps=$steps elapsed=$((SECONDS - start))s"
+[ "$smoke_rc" -eq 0 ] && [ "$budget_rc" -eq 0 ]
