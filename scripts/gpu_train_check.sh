@@ -88,6 +88,12 @@ trainer() {  # trainer LABEL NAME STEPS WARMUP [overrides...]: one run into $RUN
     --train.eval_every="$steps" --train.log_every=10 "$@" > "$LOG/$label.log" 2>&1
 }
 
+smoke_rc=0
+if [ -n "${GPU_TRAIN_STEPS:-}" ]; then  # the budget runs alone, at this many steps (a rerun on other data)
+  [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]] || { echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected a positive integer" >&2
+    exit 2; }
+  steps=$GPU_TRAIN_STEPS
+else
 # 1. Smoke: the three trainers at once (one process each; the GPU is shared). EAGLE-3 is killed (SIGKILL) once its
 # step-$half checkpoint is on disk, then the same command resumes it to the end (the crash-resume contract on CUDA).
 half=$(( SMOKE_STEPS / 2 ))
@@ -108,7 +114,6 @@ grep -a "\[resume\]" "$LOG/smoke-eagle3.log" | head -1
 wait $p1; RC[smoke-medusa]=$?
 wait $p3; RC[smoke-dflash]=$?
 cp "$RUNS/smoke-eagle3/metrics.jsonl" "$LOG/smoke-eagle3-metrics.jsonl" 2>/dev/null
-smoke_rc=0
 for k in smoke-medusa smoke-eagle3-killed smoke-eagle3 smoke-dflash; do
   echo "[gpu_train] $k rc=${RC[$k]}"; [ "${RC[$k]}" -ne 0 ] && smoke_rc=1
 done
@@ -135,6 +140,7 @@ EOF
 )
 echo "[gpu_train] smoke rates (tokens/s): eagle3 $(rate smoke-eagle3) dflash $(rate smoke-dflash); ${left}s left:" \
   "$steps steps each"
+fi
 budget_rc=0
 if [ "${steps:-0}" -ge "$ROUND" ] && [ "${steps:-0}" -ge 4 ]; then
   warm=$(( steps >= 200 ? 20 : steps / 10 + 1 ))
