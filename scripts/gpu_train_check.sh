@@ -18,6 +18,10 @@ PY=${PYTHON:-python3}
 MODE=${1:-run}
 start=$SECONDS
 
+if [ -n "${GPU_TRAIN_STEPS:-}" ] && ! [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]]; then
+  echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected a positive integer (the budget runs' steps)" >&2
+  exit 2
+fi
 if [ "$MODE" = "--prepare" ]; then
   # The wheels of scripts/gpu_check.sh's --prepare (transformers >= 5.20 and hub 2.x for the device image) without
   # hf_xet and tokenizers, which the image has in usable versions (the carried tree must stay under 64 MiB with the
@@ -90,8 +94,6 @@ trainer() {  # trainer LABEL NAME STEPS WARMUP [overrides...]: one run into $RUN
 
 smoke_rc=0
 if [ -n "${GPU_TRAIN_STEPS:-}" ]; then  # the budget runs alone, at this many steps (a rerun on other data)
-  [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]] || { echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected a positive integer" >&2
-    exit 2; }
   steps=$GPU_TRAIN_STEPS
 else
 # 1. Smoke: the three trainers at once (one process each; the GPU is shared). EAGLE-3 is killed (SIGKILL) once its
