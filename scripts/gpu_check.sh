@@ -12,6 +12,7 @@
 #   a rerun:        bash scripts/gpu_check.sh --tests      # the CUDA tests alone, after a fix (carry [".whl"])
 #                   (2026-12-04 on an H200: 274 s, the machine's start not counted)
 #
+# The trainers on the GPU are scripts/gpu_train_check.sh's (its own carry; run it after this one when time is left).
 # Writes docs/benchmarks/gpu-<date>-<gpu>.{json,md}; when $OUT is set (the device tool) copies them there with the
 # logs, so they come back. Budget: under 400 s (tests <= 120 s a file; the benchmark in what is left of 380 s).
 # Exit status: 0 when the tests pass and the float32 exactness checks hold.
