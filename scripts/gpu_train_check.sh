@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The trainers on a lent GPU (an H200; /work/.library/device/README.md), in one device call:
 #   1. smoke: train/medusa.py, train/eagle.py (EAGLE-3) and train/dflash.py on tiny-code for a few steps each, on
-#      CUDA, with the end-of-run train/serve check and the export; then the EAGLE-3 run continued to more steps
-#      from its checkpoint (the resume path with CUDA RNG and optimizer state);
+#      CUDA, with the end-of-run train/serve check and the export; the EAGLE-3 run is killed (SIGKILL) once its
+#      mid-run checkpoint is on disk and the same command resumes it (CUDA RNG and optimizer state restored);
 #   2. budget: EAGLE-3 (configs/eagle3-tiny.yaml) and DFlash (configs/dflash-tiny.yaml, block 5) side by side on
 #      the self-distilled rows of scripts/bench_dflash.sh, as many steps as the time left allows (the same steps and
 #      tokens for both, measured from the smoke runs' own tokens/s), each drafter copied back to $OUT to be decoded
@@ -10,16 +10,19 @@
 #
 #   here, once:   PYTHON=.venv/bin/python bash scripts/gpu_train_check.sh --prepare   # .whl-train/, .cache-gpu/
 #   here, smoke:  PYTHON=/tmp/devsim/bin/python bash scripts/gpu_train_check.sh --dry-run   # CPU, a few steps
+#   other rows:   GPU_TRAIN_DATA=FILE.jsonl PYTHON=.venv/bin/python bash scripts/gpu_train_check.sh --prepare
 #   on device:    bash scripts/gpu_train_check.sh    # device `run`: carry [".whl-train", ".cache-gpu/tiny-code",
-#                                                    #   ".cache-gpu/selfdistill.jsonl"], GPU_TRAIN_BUDGET_S seconds
+#                                                    #   ".cache-gpu/selfdistill.jsonl"]; GPU_TRAIN_BUDGET_S seconds
+#                                                    #   (default 240) for everything but the install
+#   the pair alone: GPU_TRAIN_STEPS=N bash scripts/gpu_train_check.sh   # no smoke; N steps each (N >= 4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MODE=${1:-run}
 start=$SECONDS
 
-if [ -n "${GPU_TRAIN_STEPS:-}" ] && ! [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]]; then
-  echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected a positive integer (the budget runs' steps)" >&2
+if [ -n "${GPU_TRAIN_STEPS:-}" ] && ! { [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]] && [ "$GPU_TRAIN_STEPS" -ge 4 ]; }; then
+  echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected an integer of at least 4 (the budget runs' steps)" >&2
   exit 2
 fi
 if [ "$MODE" = "--prepare" ]; then
@@ -39,9 +42,15 @@ if [ "$MODE" = "--prepare" ]; then
   home=${DRAFTHEADS_HOME:-$HOME/.cache/draftheads}
   [ -f "$home/tiny-code/config.json" ] || "$PY" -m draftheads.models.tiny build --recipe default || exit 1
   mkdir -p .cache-gpu && rm -rf .cache-gpu/tiny-code && cp -r "$home/tiny-code" .cache-gpu/tiny-code || exit 1
-  data=${GPU_TRAIN_DATA:-runs/bench-dflash-600/selfdistill.jsonl}
-  [ -f "$data" ] || PYTHONPATH=. "$PY" scripts/selfdistill_data.py --verifier tiny-code --out "$data" \
-    --num-prompts 800 || exit 1
+  if [ -n "${GPU_TRAIN_DATA:-}" ]; then
+    data=$GPU_TRAIN_DATA
+    [ -f "$data" ] || { echo "GPU_TRAIN_DATA='$data': no such file (a JSONL of rows, e.g. from" \
+      "scripts/selfdistill_data.py)" >&2; exit 2; }
+  else
+    data=runs/bench-dflash-600/selfdistill.jsonl  # scripts/bench_dflash.sh's rows: 800 functions continued
+    [ -f "$data" ] || PYTHONPATH=. "$PY" scripts/selfdistill_data.py --verifier tiny-code --out "$data" \
+      --num-prompts 800 || exit 1
+  fi
   cp "$data" .cache-gpu/selfdistill.jsonl
   du -shc .whl-train .cache-gpu/tiny-code .cache-gpu/selfdistill.jsonl
   exit 0
@@ -53,6 +62,7 @@ BACK=${OUT:-runs/gpu-train}
 LOG=runs/gpu-train-logs
 RUNS=runs/gpu-train-runs
 rm -rf "$LOG" "$RUNS" && mkdir -p "$BACK" "$LOG" "$RUNS"
+[ -z "${OUT:-}" ] && rm -f "$BACK"/*.tar "$BACK"/logs.tgz  # a local run: no earlier run's files beside this one's
 pack() { tar -czf "$BACK/logs.tgz" -C "$LOG" . ; }
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export DRAFTHEADS_HOME=$PWD/.cache-gpu WANDB_MODE=disabled
@@ -87,7 +97,7 @@ trainer() {  # trainer LABEL NAME STEPS WARMUP [overrides...]: one run into $RUN
   local label=$1 name=$2 steps=$3 warmup=$4
   shift 4
   # shellcheck disable=SC2086
-  DRAFTHEADS_QUIET=${QUIET:-} "$PY" "${SCRIPT[$name]}" --config "${CFG[$name]}" --output_dir "$RUNS/$label" "${COMMON[@]}" ${EXTRA[$name]} \
+  "$PY" "${SCRIPT[$name]}" --config "${CFG[$name]}" --output_dir "$RUNS/$label" "${COMMON[@]}" ${EXTRA[$name]} \
     --train.max_steps="$steps" --train.warmup_steps="$warmup" --train.save_every="$steps" \
     --train.eval_every="$steps" --train.log_every=10 "$@" > "$LOG/$label.log" 2>&1
 }
@@ -112,7 +122,9 @@ echo "[gpu_train] smoke-eagle3 killed at $(ls -d "$RUNS"/smoke-eagle3/step-* 2>/
 cp "$LOG/smoke-eagle3.log" "$LOG/smoke-eagle3-killed.log"
 trainer smoke-eagle3 eagle3 "$SMOKE_STEPS" 1 --train.save_every="$half"
 RC[smoke-eagle3]=$?
-grep -a "\[resume\]" "$LOG/smoke-eagle3.log" | head -1
+# the resumed run must say where it continued from (a run that started over would pass the rest)
+grep -a "\[resume\] continuing from" "$LOG/smoke-eagle3.log" | head -1 | grep . || { echo "[gpu_train] smoke-eagle3" \
+  "did not resume from its checkpoint"; RC[smoke-eagle3]=1; }
 wait $p1; RC[smoke-medusa]=$?
 wait $p3; RC[smoke-dflash]=$?
 cp "$RUNS/smoke-eagle3/metrics.jsonl" "$LOG/smoke-eagle3-metrics.jsonl" 2>/dev/null
@@ -125,6 +137,9 @@ done
 pack
 
 # 2. The budget: steps from the smoke runs' measured step rate (the slower of the two trainers), same for both.
+if [ "$smoke_rc" -ne 0 ]; then
+  echo "[gpu_train] a smoke run failed: no budget runs"; steps=0
+else
 rate() {  # rate LABEL: the median train/tokens_per_s the run logged
   "$PY" - "$RUNS/$1/metrics.jsonl" <<'EOF'
 import json, statistics, sys
@@ -142,26 +157,31 @@ EOF
 )
 echo "[gpu_train] smoke rates (tokens/s): eagle3 $(rate smoke-eagle3) dflash $(rate smoke-dflash); ${left}s left:" \
   "$steps steps each"
+[ "${steps:-0}" -ge 4 ] || echo "[gpu_train] no time left for the budget runs"
 fi
+fi
+pack  # what the smoke wrote (or the versions alone) comes back even if the budget runs are cut short
 budget_rc=0
-if [ "${steps:-0}" -ge "$ROUND" ] && [ "${steps:-0}" -ge 4 ]; then
+if [ "${steps:-0}" -ge 4 ]; then
   warm=$(( steps >= 200 ? 20 : steps / 10 + 1 ))
-  export QUIET=1  # no progress bars in these logs
+  export TQDM_DISABLE=1  # no progress bars in these logs (the status lines stay)
   trainer "eagle3-$steps" eagle3 "$steps" "$warm" & q1=$!
   trainer "dflash-b5-$steps" dflash "$steps" "$warm" & q2=$!
-  wait $q1 || budget_rc=1
-  wait $q2 || budget_rc=1
+  wait $q1; rc1=$?
+  wait $q2; rc2=$?
   for label in "eagle3-$steps" "dflash-b5-$steps"; do
     d=$RUNS/$label/drafter
+    rc=$rc1; [ "$label" = "dflash-b5-$steps" ] && rc=$rc2
+    if [ "$rc" -ne 0 ]; then tail -n 25 "$LOG/$label.log"; budget_rc=1; fi
     if [ -f "$d/model.safetensors" ]; then
       cp "$RUNS/$label/metrics.jsonl" "$LOG/$label-metrics.jsonl"
       tar -cf "$BACK/$label.tar" -C "$RUNS/$label" drafter config.yaml metrics.jsonl
     else
-      tail -n 25 "$LOG/$label.log"; budget_rc=1
+      budget_rc=1
     fi
   done
 else
-  echo "[gpu_train] no time left for the budget runs"; budget_rc=1
+  budget_rc=1
 fi
 pack
 echo "[gpu_train] smoke_rc=$smoke_rc budget_rc=$budget_rc steps=$steps elapsed=$((SECONDS - start))s"
