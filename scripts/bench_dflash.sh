@@ -44,16 +44,25 @@ for pair in $EXTRA_VOCAB; do
   [[ $pair =~ ^[0-9]+:[1-9][0-9]*$ ]] || { echo "DFLASH_EXTRA_VOCAB: '$pair': expected BLOCK:VOCAB pairs of" \
     "integers (a vocabulary of 1 token or more) separated by spaces, e.g. '5:2048'" >&2; exit 2; }
 done
+# Rows made by an earlier run in this folder are reused only if they are the rows asked for: a folder whose
+# selfdistill.jsonl holds another number of functions would train every drafter on other data than the one named.
+DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
+[[ $DATA_PROMPTS =~ ^[1-9][0-9]*$ ]] || { echo "DFLASH_DATA_PROMPTS: '$DATA_PROMPTS': expected a positive integer" \
+  "(stdlib functions to continue)" >&2; exit 2; }
+DIR=${DFLASH_DIR:-runs/bench-dflash}
+if [ -f "$DIR/selfdistill.jsonl" ] && [ "$(wc -l < "$DIR/selfdistill.jsonl")" -ne "$DATA_PROMPTS" ]; then
+  echo "$DIR/selfdistill.jsonl holds $(wc -l < "$DIR/selfdistill.jsonl") rows, not DFLASH_DATA_PROMPTS=$DATA_PROMPTS:" \
+    "set DFLASH_DATA_PROMPTS to its count, or use another DFLASH_DIR" >&2
+  exit 2
+fi
 source "$(dirname "$0")/setup_env.sh"
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
 STEPS=${DFLASH_STEPS:-600}
 WARMUP=${DFLASH_WARMUP:-$(( STEPS >= 200 ? 20 : STEPS / 10 + 1 ))}  # the configs' 20 of 600; less for a smoke run
 SEQ_LEN=${DFLASH_SEQ_LEN:-256}
-DIR=${DFLASH_DIR:-runs/bench-dflash}
 PROMPTS=${DFLASH_PROMPTS:-8}
 TOKENS=${DFLASH_MAX_NEW_TOKENS:-128}
 BLOCKS=${DFLASH_BLOCKS:-4 5 8 16}
-DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
 JOBS=${DFLASH_JOBS:-1}
 # tiny-micro has 4 layers: EAGLE's default feature layers (2, L//2, L-3 made distinct), not tiny-code's [2, 4, 7]
 LAYERS=${DFLASH_EAGLE_LAYER_IDS:-$([ "$VERIFIER" = tiny-micro ] && echo null || echo "")}

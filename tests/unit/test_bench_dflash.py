@@ -1,5 +1,6 @@
-"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS, DFLASH_EXTRA_ANCHORS or
-DFLASH_EXTRA_VOCAB in one line, before it sets anything up or trains anything."""
+"""scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS, DFLASH_EXTRA_ANCHORS,
+DFLASH_EXTRA_VOCAB or DFLASH_DATA_PROMPTS, and a folder whose rows are not the number asked for, in one line, before
+it sets anything up or trains anything."""
 
 import os
 import subprocess
@@ -49,3 +50,25 @@ def test_malformed_extra_vocab_is_refused_in_one_line(tmp_path, value, bad):
     assert refusal(tmp_path, "DFLASH_EXTRA_VOCAB", value) == (
         f"DFLASH_EXTRA_VOCAB: '{bad}': expected BLOCK:VOCAB pairs of integers (a vocabulary of 1 token or more) "
         "separated by spaces, e.g. '5:2048'")
+
+
+@pytest.mark.parametrize("value", ["0", "3k", "-800", "800 "])
+def test_malformed_data_prompts_are_refused_in_one_line(tmp_path, value):
+    assert refusal(tmp_path, "DFLASH_DATA_PROMPTS", value) == (
+        f"DFLASH_DATA_PROMPTS: '{value}': expected a positive integer (stdlib functions to continue)")
+
+
+def test_rows_of_another_size_are_not_reused(tmp_path):
+    """A folder made with 3 functions' rows, asked for 800 (the default): the rows would silently be the wrong ones."""
+    out = tmp_path / "bench"
+    out.mkdir()
+    rows = out / "selfdistill.jsonl"
+    rows.write_text('{"text": "a"}\n' * 3)
+    env = {**os.environ, "DFLASH_DIR": str(out), "DFLASH_VERIFIER": str(tmp_path / "no-verifier")}
+    env.pop("DFLASH_DATA_PROMPTS", None)
+    proc = subprocess.run(["bash", str(ROOT / "scripts/bench_dflash.sh")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and sorted(p.name for p in out.iterdir()) == ["selfdistill.jsonl"]
+    assert proc.stderr.strip() == (f"{rows} holds 3 rows, not DFLASH_DATA_PROMPTS=800: set DFLASH_DATA_PROMPTS to "
+                                   "its count, or use another DFLASH_DIR")
