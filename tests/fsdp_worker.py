@@ -137,3 +137,5 @@ def main(verifier_dir: str, out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
+    import gc
+    gc.collect()  # as train/cli.main_guard does: the wrapped models and their process group freed before exit

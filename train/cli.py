@@ -7,6 +7,7 @@ one line (no traceback).
 
 from __future__ import annotations
 
+import gc
 import signal
 import sys
 from pathlib import Path
@@ -32,7 +33,13 @@ def main_guard(fn, cls: type[C], argv: list[str] | None = None, prog: str | None
     except ValueError:
         previous = None
     try:
-        return fn(cfg)
+        result = fn(cfg)
+        # The run's objects (the DDP- or FSDP-wrapped model, the accelerator) hold the process group's threads; freed
+        # here, while the interpreter is whole, not during its exit, where a 2-process gloo run sometimes aborted
+        # after finishing ("terminate called without an active exception": 2 of 12 launches of a bare accelerate
+        # DDP script under load, 0 of 14 with this collection).
+        gc.collect()
+        return result
     except KeyboardInterrupt as err:
         name = "SIGTERM" if isinstance(err, Stopped) else "SIGINT (Ctrl-C)"
         print(f"stopped by {name}: {kept(cfg.output_dir)}", file=sys.stderr)
