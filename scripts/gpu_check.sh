@@ -21,19 +21,12 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MODE=${1:-run}
 start=$SECONDS
+# shellcheck source=scripts/gpu_wheels.sh
+source scripts/gpu_wheels.sh
 
 if [ "$MODE" = "--prepare" ]; then
-  # The device image (Python 3.12, x86-64) has transformers 5.17 and huggingface_hub 1.33; pyproject needs
-  # transformers >= 5.20, which needs hub 2.x (and hub 2.x httpx2, kernels, newer click/regex/tokenizers). Each goes
-  # as a wheel at this environment's version; the image's own torch, triton, numpy, pytest stay.
-  CARRY="transformers huggingface_hub kernels tomlkit httpx2 httpcore2 truststore h11 idna anyio typing_extensions
-    hf_xet click regex tokenizers accelerate safetensors setuptools"
-  pins=$("$PY" -c "import sys, importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
-    $CARRY) || exit 1
-  rm -rf .whl && mkdir -p .whl
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl $pins || exit 1
+  # shellcheck disable=SC2086
+  download_wheels .whl $GPU_WHEELS || exit 1  # scripts/gpu_wheels.sh says which and why
   if "$PY" -c "import draftheads.models.tiny" 2>/dev/null; then
     [ -f .cache-gpu/tiny-micro/config.json ] || DRAFTHEADS_HOME=$PWD/.cache-gpu "$PY" -m draftheads.models.tiny build \
       --recipe micro || exit 1
@@ -60,15 +53,7 @@ fi
 # The device's own Python gets the carried wheels (and the dry run too with GPU_CHECK_INSTALL=1, in an environment
 # made to look like the device's: scripts/gpu_check.sh's header).
 if [ "$MODE" != "--dry-run" ] || [ -n "${GPU_CHECK_INSTALL:-}" ]; then
-  if compgen -G ".whl/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      || exit 1
-    export PYTHONPATH=/tmp/site:$PWD
-  fi
-  # The namespace: draftheads.models is models/ and so on (pyproject's package-dir), which only an install maps;
-  # an editable one, as on a developer's machine, so the tests' own imports (tests.utils) resolve the same way.
-  "$PY" -c "import draftheads.models.verifier" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-cache-dir -e . || exit 1
+  install_wheels .whl /tmp/site || exit 1
 fi
 "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available()); import triton; print('triton', \

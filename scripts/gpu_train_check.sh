@@ -20,6 +20,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 MODE=${1:-run}
 start=$SECONDS
+# shellcheck source=scripts/gpu_wheels.sh
+source scripts/gpu_wheels.sh
 
 if [ -n "${GPU_TRAIN_STEPS:-}" ] && ! { [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]] && [ "$GPU_TRAIN_STEPS" -ge 4 ]; }; then
   echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected an integer of at least 4 (the budget runs' steps)" >&2
@@ -30,15 +32,9 @@ if [ "$MODE" = "--prepare" ]; then
   # hf_xet and tokenizers, which the image has in usable versions (the carried tree must stay under 64 MiB with the
   # verifier), plus what the trainers import and the image lacks: datasets (and its dill, multiprocess, fsspec pins)
   # and jsonargparse (with its signatures extra).
-  CARRY="transformers huggingface_hub kernels tomlkit httpx2 httpcore2 truststore h11 idna anyio typing_extensions
-    click regex accelerate safetensors setuptools datasets dill multiprocess fsspec jsonargparse docstring_parser
-    typeshed_client"
-  pins=$("$PY" -c "import sys, importlib.metadata as m; print(' '.join(f'{n}=={m.version(n)}' for n in sys.argv[1:]))" \
-    $CARRY) || exit 1
-  rm -rf .whl-train && mkdir -p .whl-train
-  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl-train $pins || exit 1
+  # shellcheck disable=SC2046
+  download_wheels .whl-train $(printf '%s\n' $GPU_WHEELS | grep -vx -e hf_xet -e tokenizers) datasets dill \
+    multiprocess fsspec jsonargparse docstring_parser typeshed_client || exit 1
   home=${DRAFTHEADS_HOME:-$HOME/.cache/draftheads}
   [ -f "$home/tiny-code/config.json" ] || "$PY" -m draftheads.models.tiny build --recipe default || exit 1
   mkdir -p .cache-gpu && rm -rf .cache-gpu/tiny-code && cp -r "$home/tiny-code" .cache-gpu/tiny-code || exit 1
@@ -72,15 +68,8 @@ else
   SMOKE_STEPS=40 BUDGET=${GPU_TRAIN_BUDGET_S:-240} MAX_STEPS=12000 ROUND=100
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$LOG/nvidia-smi.txt"
 fi
-if compgen -G ".whl-train/*.whl" > /dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-train \
-    .whl-train/*.whl || exit 1
-  export PYTHONPATH=/tmp/site-train:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-"$PY" -c "import draftheads.train.eagle" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps \
-  --no-build-isolation --no-cache-dir -e . || exit 1
+export PYTHONPATH=$PWD
+install_wheels .whl-train /tmp/site-train || exit 1
 "$PY" -c "import sys, torch, transformers, accelerate, datasets; print('python', sys.version.split()[0], 'torch', \
 torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'datasets', \
 datasets.__version__, 'cuda', torch.cuda.is_available())" 2>&1 | tee "$LOG/versions.txt"
@@ -148,14 +137,15 @@ print(statistics.median(rates[1:] or rates) if rates else 0)
 EOF
 }
 left=$(( BUDGET - (SECONDS - start) ))
-steps=$("$PY" - "$(rate smoke-eagle3)" "$(rate smoke-dflash)" "$left" "$MAX_STEPS" "$ROUND" <<'EOF'
+rate_e=$(rate smoke-eagle3) rate_d=$(rate smoke-dflash)
+steps=$("$PY" - "$rate_e" "$rate_d" "$left" "$MAX_STEPS" "$ROUND" <<'EOF'
 import sys
 e, d, left, cap, rnd = (float(x) for x in sys.argv[1:])
 slow = min(e, d) / 2048  # steps per second of the slower (8 rows of 256 tokens a step), run side by side
 print(0 if slow <= 0 else int(min(cap, slow * max(0, left - 45) * 0.8) // rnd * rnd))
 EOF
 )
-echo "[gpu_train] smoke rates (tokens/s): eagle3 $(rate smoke-eagle3) dflash $(rate smoke-dflash); ${left}s left:" \
+echo "[gpu_train] smoke rates (tokens/s): eagle3 $rate_e dflash $rate_d; ${left}s left:" \
   "$steps steps each"
 [ "${steps:-0}" -ge 4 ] || echo "[gpu_train] no time left for the budget runs"
 fi
@@ -167,12 +157,12 @@ if [ "${steps:-0}" -ge 4 ]; then
   export TQDM_DISABLE=1  # no progress bars in these logs (the status lines stay)
   trainer "eagle3-$steps" eagle3 "$steps" "$warm" & q1=$!
   trainer "dflash-b5-$steps" dflash "$steps" "$warm" & q2=$!
-  wait $q1; rc1=$?
-  wait $q2; rc2=$?
+  declare -A RC
+  wait $q1; RC[eagle3-$steps]=$?
+  wait $q2; RC[dflash-b5-$steps]=$?
   for label in "eagle3-$steps" "dflash-b5-$steps"; do
     d=$RUNS/$label/drafter
-    rc=$rc1; [ "$label" = "dflash-b5-$steps" ] && rc=$rc2
-    if [ "$rc" -ne 0 ]; then tail -n 25 "$LOG/$label.log"; budget_rc=1; fi
+    if [ "${RC[$label]}" -ne 0 ]; then tail -n 25 "$LOG/$label.log"; budget_rc=1; fi
     if [ -f "$d/model.safetensors" ]; then
       cp "$RUNS/$label/metrics.jsonl" "$LOG/$label-metrics.jsonl"
       tar -cf "$BACK/$label.tar" -C "$RUNS/$label" drafter config.yaml metrics.jsonl
