@@ -50,8 +50,8 @@ DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the t
 [[ $DATA_PROMPTS =~ ^[1-9][0-9]*$ ]] || { echo "DFLASH_DATA_PROMPTS: '$DATA_PROMPTS': expected a positive integer" \
   "(stdlib functions to continue)" >&2; exit 2; }
 DIR=${DFLASH_DIR:-runs/bench-dflash}
-if [ -f "$DIR/selfdistill.jsonl" ] && [ "$(wc -l < "$DIR/selfdistill.jsonl")" -ne "$DATA_PROMPTS" ]; then
-  echo "$DIR/selfdistill.jsonl holds $(wc -l < "$DIR/selfdistill.jsonl") rows, not DFLASH_DATA_PROMPTS=$DATA_PROMPTS:" \
+if [ -f "$DIR/selfdistill.jsonl" ] && held=$(wc -l < "$DIR/selfdistill.jsonl") && [ "$held" -ne "$DATA_PROMPTS" ]; then
+  echo "$DIR/selfdistill.jsonl holds $held rows, not DFLASH_DATA_PROMPTS=$DATA_PROMPTS:" \
     "set DFLASH_DATA_PROMPTS to its count, or use another DFLASH_DIR" >&2
   exit 2
 fi
