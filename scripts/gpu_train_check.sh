@@ -27,6 +27,10 @@ if [ -n "${GPU_TRAIN_STEPS:-}" ] && ! { [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]] 
   echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected an integer of at least 4 (the budget runs' steps)" >&2
   exit 2
 fi
+if [ "$MODE" = "--prepare" ] && [ -n "${GPU_TRAIN_DATA:-}" ] && [ ! -f "$GPU_TRAIN_DATA" ]; then
+  echo "GPU_TRAIN_DATA='$GPU_TRAIN_DATA': no such file (a JSONL of rows, e.g. from scripts/selfdistill_data.py)" >&2
+  exit 2
+fi
 if [ "$MODE" = "--prepare" ]; then
   # The wheels of scripts/gpu_check.sh's --prepare (transformers >= 5.20 and hub 2.x for the device image) without
   # hf_xet and tokenizers, which the image has in usable versions (the carried tree must stay under 64 MiB with the
@@ -39,9 +43,7 @@ if [ "$MODE" = "--prepare" ]; then
   [ -f "$home/tiny-code/config.json" ] || "$PY" -m draftheads.models.tiny build --recipe default || exit 1
   mkdir -p .cache-gpu && rm -rf .cache-gpu/tiny-code && cp -r "$home/tiny-code" .cache-gpu/tiny-code || exit 1
   if [ -n "${GPU_TRAIN_DATA:-}" ]; then
-    data=$GPU_TRAIN_DATA
-    [ -f "$data" ] || { echo "GPU_TRAIN_DATA='$data': no such file (a JSONL of rows, e.g. from" \
-      "scripts/selfdistill_data.py)" >&2; exit 2; }
+    data=$GPU_TRAIN_DATA  # checked above
   else
     data=runs/bench-dflash-600/selfdistill.jsonl  # scripts/bench_dflash.sh's rows: 800 functions continued
     [ -f "$data" ] || PYTHONPATH=. "$PY" scripts/selfdistill_data.py --verifier tiny-code --out "$data" \
