@@ -3,6 +3,7 @@ run in a subprocess on the same weights and inputs: the reference loads our stat
 `DFlashDraftModel`, its hidden states and logits equal ours (float32), and its `dflash_generate` decodes greedily
 what our reference-style loop decodes, token for token and with the same tokens accepted at every step."""
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -16,8 +17,20 @@ from tests.utils import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-dflash" / "bin" / "python"
-pytestmark = pytest.mark.skipif(not PYTHON.exists(), reason=(
-    "no .venv-dflash: `bash scripts/setup_dflash_reference.sh` installs z-lab's reference DFlash for this check"))
+
+
+@pytest.fixture
+def reference_ready():
+    """The reference's venv, as the vLLM interop suite treats vLLM: a missing one fails (a skipped equality check
+    would pass unseen); DRAFTHEADS_DFLASH_REFERENCE=0 leaves the check out, as scripts/test.sh does then."""
+    if os.environ.get("DRAFTHEADS_DFLASH_REFERENCE") == "0":
+        pytest.skip("DRAFTHEADS_DFLASH_REFERENCE=0: the check against z-lab's reference DFlash is left out")
+    if not PYTHON.exists():
+        pytest.fail(f"no {PYTHON.parent.parent}: `bash scripts/setup_dflash_reference.sh` installs z-lab's reference "
+                    "DFlash for this check (DRAFTHEADS_DFLASH_REFERENCE=0 leaves it out)", pytrace=False)
+
+
+pytestmark = pytest.mark.usefixtures("reference_ready")
 
 PROMPT = [1, 0, 2, 2, 1, 0]
 NEW_TOKENS = 40
