@@ -76,6 +76,28 @@ def test_tiny_config_trains_checkpoints_exports_and_checks(tmp_path, verifier_di
     assert summary["consistency"]["new_tokens"] > 0
 
 
+def test_wandb_offline_run_logs_every_step_in_order(tmp_path, verifier_dir, monkeypatch):
+    """wandb on (offline, as a user without a key runs it): the run folder holds the wandb run, every log names its
+    training step and none goes back (wandb drops a log to an earlier step), the train, held-out and end-of-run
+    check metrics among them."""
+    import wandb
+
+    logged, log = [], wandb.sdk.wandb_run.Run.log
+
+    def recording_log(self, data, step=None, *args, **kwargs):
+        logged.append((step, set(data)))
+        return log(self, data, step, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", recording_log)
+    out = tmp_path / "run"
+    run(*tiny_args(verifier_dir, out, "--train.max_steps=2", "--wandb.enabled=true", "--wandb.mode=offline"))
+    assert list((out / "wandb").glob("offline-run-*"))
+    steps = [step for step, _ in logged]
+    assert steps and None not in steps and steps == sorted(steps), steps
+    keys = set().union(*(k for _, k in logged))
+    assert {"train/loss", "eval/loss", "eval/accept_length", "eval/tau"} <= keys, keys
+
+
 def test_interrupted_and_resumed_run_equals_an_uninterrupted_one(tmp_path, verifier_dir, monkeypatch):
     """Anchors are random: the resumed run must draw what the uninterrupted one drew (the RNG state resumes)."""
     args = ("--train.max_steps=4", "--train.save_every=2", "--train.eval_every=2", "--consistency.enabled=false")

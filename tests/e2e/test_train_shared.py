@@ -99,7 +99,7 @@ def test_resume_restores_the_random_stream_a_training_step_draws_from(tmp_path):
     torch.testing.assert_close(train(tmp_path / "b"), straight, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("script", ["medusa.py", "eagle.py"])
+@pytest.mark.parametrize("script", ["medusa.py", "eagle.py", "dflash.py"])
 def test_trainer_runs_as_a_file_from_any_folder(script, tmp_path):
     """`accelerate launch train/X.py` runs the file as a script, from any folder: it finds the installed
     `draftheads` package (no sys.path edits, no PYTHONPATH)."""
