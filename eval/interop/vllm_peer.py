@@ -85,6 +85,23 @@ class SpeculatorsLogits:
     kind: str = "speculators_logits"
 
 
+@dataclass
+class SpeculatorsDFlashLogits:
+    """The speculators library loads a DFlash folder with its own classes and computes the logits of anchored blocks
+    through its own forward."""
+
+    name: str
+    drafter: str
+    input_ids: list[int]
+    """(T,) one row of tokens."""
+    hidden_states: list[list[float]]
+    """(T, nH) the verifier's target-layer outputs at each position, concatenated in layer order."""
+    anchors: list[int]
+    """increasing positions, each < T - block_size: the blocks drafted (the only loss-masked positions, so its
+    anchor sampling takes exactly these)."""
+    kind: str = "speculators_dflash_logits"
+
+
 def run_vllm(cases: list, timeout: float = 1800) -> dict:
     """Run the cases in one vLLM process; returns the runner's result ({"vllm": version, "cases": [...]}), one
     entry per case in order (a case vLLM refused has ok False and vLLM's error)."""

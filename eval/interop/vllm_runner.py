@@ -144,6 +144,41 @@ def speculators_logits(case: dict) -> dict:
     return result
 
 
+def speculators_dflash_logits(case: dict) -> dict:
+    """The speculators library's own reading of a speculators-format DFlash folder: `SpeculatorModel.from_pretrained`
+    (the verifier's embedding and lm_head loaded from the folder's verifier path, as it does), then its training
+    forward over one row whose loss mask holds only the given anchors, so its anchor sampling draws exactly those
+    blocks; the logits are read at its lm_head (a forward hook). Two switches a CPU needs, the same its trainer takes
+    as flags: sdpa attention (its default builds a compiled flex-attention block mask) and the eager loss (its
+    default is a Triton kernel)."""
+    import torch
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    result = {"name": case["name"], "ok": False}
+    try:
+        config = SpeculatorModelConfig.from_pretrained(case["drafter"])
+        config.transformer_layer_config._attn_implementation = "sdpa"  # --draft-attn-impl sdpa
+        model = SpeculatorModel.from_pretrained(case["drafter"], config=config).eval().float()
+        seen = []
+        model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+        ids = torch.tensor([case["input_ids"]])
+        hidden = torch.tensor([case["hidden_states"]], dtype=torch.float32)
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[0, case["anchors"]] = 1
+        kwargs, _ = type(model).get_trainer_kwargs(loss_fn="kl_div", loss_implementation="eager",
+                                                  max_anchors=len(case["anchors"]))
+        last = torch.zeros(1, ids.shape[1], config.transformer_layer_config.hidden_size)  # only its loss reads it
+        with torch.no_grad():
+            model(hidden_states=hidden, input_ids=ids, loss_mask=loss_mask, verifier_last_hidden_states=last,
+                  document_ids=torch.zeros_like(ids), **kwargs)
+        result.update(ok=True, model_class=type(model).__name__, block_size=model.block_size,
+                      logits=seen[0][0].tolist())
+    except Exception as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc()[-3000:]
+    return result
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_runner.py JOB.json RESULT.json", file=sys.stderr)
@@ -154,7 +189,7 @@ def main(argv: list[str]) -> int:
         job = json.load(f)
     import vllm
 
-    run = {"speculators_logits": speculators_logits}
+    run = {"speculators_logits": speculators_logits, "speculators_dflash_logits": speculators_dflash_logits}
     results = {"vllm": vllm.__version__,
                "cases": [run.get(case.get("kind"), run_case)(case) for case in job["cases"]]}
     tmp = argv[1] + ".tmp"

@@ -14,8 +14,8 @@ from draftheads.models.dflash import DFlashConfig, build_drafter
 from draftheads.models.export import export_dflash
 from draftheads.models.verifier import Verifier
 from tests.dflash_reference import write_case
-from tests.e2e.test_dflash_reference import (NEW_TOKENS, PROMPT, pytestmark,  # noqa: F401
-                                         reference_ready, run_reference)
+from tests.e2e.test_dflash_reference import NEW_TOKENS, PROMPT, run_reference
+from tests.e2e.test_dflash_reference import pytestmark, reference_ready  # noqa: F401 (the venv check)
 from tests.utils import tiny_model
 
 

@@ -127,3 +127,41 @@ def test_serve_check_passes_dflash_exports_and_fails_an_edited_one(tmp_path, cap
     section = out.split(f"== {broken} ")[1].split("VERDICT")[0]
     assert "DISAGREES target_layer_ids: vLLM reads [1, 2] (config.json dflash_config.target_layer_ids)" in section
     assert "accepted per step: DIFFERENT" not in section, section  # our reading of vLLM's reading holds
+
+
+def test_speculators_library_reads_our_dflash_export_with_its_own_classes(tmp_path, vllm_ready):
+    """`SpeculatorModel.from_pretrained(FOLDER)` on our speculators-format DFlash export (speculators 0.9 in
+    .venv-vllm, its own DFlashDraftModel; the verifier's embedding and lm_head loaded by it from the path the folder
+    names): its training forward over anchored blocks computes our drafter's block logits to float tolerance, for
+    several anchors of one row at once (each block reading the context strictly before its anchor)."""
+    import torch
+
+    from draftheads.eval.interop.vllm_peer import SpeculatorsDFlashLogits
+
+    model = peaked_model("qwen3", **SIZE)
+    vdir = tmp_path / "verifier"
+    model.save_pretrained(vdir, safe_serialization=True)
+    verifier = Verifier.from_pretrained(vdir)
+    drafter = trained_drafter(verifier, greedy_corpus(verifier.model, FIT, 40))
+    folder = export_dflash(drafter, tmp_path / "speculators", verifier, engine="speculators")
+    ids = torch.tensor([PROMPTS[2] + FIT[-1] + PROMPTS[0]])
+    anchors = [1, 4, 5, ids.shape[1] - drafter.block_size - 1]
+    assert anchors == sorted(set(anchors)) and anchors[-1] < ids.shape[1] - drafter.block_size
+    hidden = torch.cat(verifier.features(ids, layer_ids=drafter.feature_layers).layers, -1)
+
+    def ours(at):
+        with torch.no_grad():
+            h = drafter.anchored_hidden(ids, hidden, torch.tensor([at]), torch.ones(1, len(at), dtype=torch.bool))
+            return drafter.logits(h)[0].flatten(0, 1)  # (A*N, V)
+
+    case = SpeculatorsDFlashLogits("qwen3-dflash-speculators", str(folder), ids[0].tolist(), hidden[0].tolist(),
+                                   anchors)
+    result = run_vllm([case])["cases"][0]
+    assert result["ok"], f"{result.get('error')}\n{result.get('traceback')}"
+    assert result["model_class"] == "DFlashDraftModel" and result["block_size"] == drafter.block_size
+    theirs = torch.tensor(result["logits"])
+    want = ours(anchors)
+    assert theirs.shape == want.shape
+    torch.testing.assert_close(theirs, want, atol=1e-4, rtol=1e-4)
+    # the comparison can fail: the same blocks one position later differ by far more than the tolerance
+    assert (ours([a + 1 for a in anchors]) - theirs).abs().max() > 1e-2
