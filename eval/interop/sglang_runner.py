@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Load a drafter folder with SGLang's own loader and report what it wrote, skipped and would capture.
 
-    .venv-sglang/venv/bin/python eval/interop/sglang_runner.py DRAFTER_DIR [--target VERIFIER_DIR] [--algo EAGLE|EAGLE3]
+    .venv-sglang/venv/bin/python eval/interop/sglang_runner.py DRAFTER_DIR [--target VERIFIER_DIR]
+        [--algo EAGLE|EAGLE3|DFLASH]
 
 This file runs in SGLang's environment (scripts/setup_sglang.sh) and imports nothing of draftheads.
 
@@ -10,8 +11,9 @@ Runs SGLang 0.5.23's real code path on CPU (tp=1, gloo):
   -> ModelConfig.from_server_args(is_draft_model=True) -> get_model_loader()
   -> DefaultModelLoader.load_model()  (registry lookup, model __init__,
      safetensors iterator, model.load_weights, process_weights_after_loading)
-and, for EAGLE-3, resolve_spec_aux_hidden_state_config() +
-configure_aux_hidden_state_capture() on the target model (built on 'meta').
+and, for EAGLE-3 and DFlash, resolve_spec_aux_hidden_state_config() +
+configure_aux_hidden_state_capture() on the target model (built on 'meta'); for DFlash also the block size, mask
+token and target layers SGLang's parse_dflash_draft_config reads from the folder.
 
 Instrumentation (no SGLang file is changed):
   * every parameter is filled with NaN just before load_weights runs, so a
@@ -53,12 +55,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("drafter")
     ap.add_argument("--target", help="verifier dir (default: draftheads.verifier.name)")
-    ap.add_argument("--algo", choices=["EAGLE", "EAGLE3"])
+    ap.add_argument("--algo", choices=["EAGLE", "EAGLE3", "DFLASH"])
     args = ap.parse_args()
     drafter = os.path.abspath(args.drafter)
     cfg_json = json.load(open(os.path.join(drafter, "config.json")))
     arch = (cfg_json.get("architectures") or [""])[0]
-    algo = args.algo or ("EAGLE3" if "Eagle3" in arch else "EAGLE")
+    algo = args.algo or ("DFLASH" if arch == "DFlashDraftModel" else "EAGLE3" if "Eagle3" in arch else "EAGLE")
     target = args.target or (cfg_json.get("draftheads", {}).get("verifier", {}).get("name"))
     if not target or not os.path.isdir(target):
         sys.exit(f"need --target (verifier folder with config.json); got {target!r}")
@@ -76,11 +78,41 @@ def main():
     # pulls in the benchmark stack / `datasets`), but with the speculative args.
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
-    sa = ServerArgs(
-        model_path=target, tp_size=1, ep_size=1, pp_size=1, device="cpu",
-        speculative_algorithm=algo, speculative_draft_model_path=drafter,
-    )
-    publish(sa, role="test", ranks=SpawnRanks(world_rank=0))
+    # SGLang's argument hook refuses DFLASH on a CPU device (its drafting kernels are CUDA / NPU / XPU); what this
+    # runner checks, the draft loader and the capture of the target's layers, does not run those kernels. While the
+    # arguments are resolved (publish), that hook alone sees the platform as an out-of-tree one that supports DFLASH
+    # with the in-tree draft attention backends (falling back to
+    # triton); every other hook sees the real platform.
+    from sglang.srt.arg_groups import speculative_hook
+
+    real = speculative_hook.current_platform
+
+    class DFlashOnCpu:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def is_out_of_tree(self):
+            return True
+
+        def supports_speculative_algorithm(self, name):
+            return name == "DFLASH"
+
+        def supports_speculative_draft_attention_backend(self, name, backend):
+            return backend in speculative_hook.DRAFT_ATTENTION_BACKEND_CHOICES
+
+        def get_default_speculative_draft_attention_backend(self, name):
+            return "triton"  # the in-tree fallback off CUDA (XPU, ROCm); only recorded in the arguments here
+
+    if algo == "DFLASH":
+        speculative_hook.current_platform = DFlashOnCpu()
+    try:
+        sa = ServerArgs(
+            model_path=target, tp_size=1, ep_size=1, pp_size=1, device="cpu",
+            speculative_algorithm=algo, speculative_draft_model_path=drafter,
+        )
+        publish(sa, role="test", ranks=SpawnRanks(world_rank=0))  # resolves the arguments
+    finally:
+        speculative_hook.current_platform = real
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
 
@@ -191,8 +223,9 @@ def main():
             from_target += ["model.embed_tokens.weight", "lm_head.weight"]
         elif thid is None or thid == hid:  # LlamaForCausalLM.set_embed condition
             from_target.append("model.embed_tokens.weight")
-    else:  # EAGLE-1: set_embed_and_head(embed, head)
+    elif algo == "EAGLE":  # EAGLE-1: set_embed_and_head(embed, head)
         from_target += ["model.embed_tokens.weight", "lm_head.weight"]
+    # DFLASH: the draft model has no embedding or lm_head parameters; its worker uses the target's
 
     consumed = {c for c in rec["writes"] if c is not None}
     skipped = [n for n in rec["yielded"] if n not in consumed]
@@ -215,7 +248,7 @@ def main():
 
     # ---- EAGLE-3 aux layers: SGLang's resolver + target's capture hook --------
     aux_read, layers_to_capture, aux_err = None, None, None
-    if algo == "EAGLE3":
+    if algo in ("EAGLE3", "DFLASH"):
         try:
             from sglang.srt.model_executor.model_runner_components.attention_backend_setup import (
                 configure_aux_hidden_state_capture,
@@ -231,19 +264,30 @@ def main():
                 spec_algorithm=SpeculativeAlgorithm.from_string(algo),
                 is_draft_worker=False,
             )
-            aux_read = aux.eagle_aux_hidden_state_layer_ids
+            aux_read = aux.dflash_target_layer_ids if algo == "DFLASH" else aux.eagle_aux_hidden_state_layer_ids
             with loader_mod.set_default_torch_dtype(tmc.dtype), torch.device("meta"):
                 tmodel = loader_mod._initialize_model(tmc, load_config)
             configure_aux_hidden_state_capture(
                 model=tmodel,
                 eagle_use_aux_hidden_state=aux.eagle_use_aux_hidden_state,
                 eagle_aux_hidden_state_layer_ids=aux.eagle_aux_hidden_state_layer_ids,
-                dflash_use_aux_hidden_state=False, dflash_target_layer_ids=None,
-                is_dspark=False,
+                dflash_use_aux_hidden_state=aux.dflash_use_aux_hidden_state,
+                dflash_target_layer_ids=aux.dflash_target_layer_ids, is_dspark=False,
             )
             layers_to_capture = list(getattr(tmodel.model, "layers_to_capture", []))
         except Exception as e:  # report, don't die
             aux_err = f"{type(e).__name__}: {e}"
+
+    dflash = None
+    if algo == "DFLASH":
+        dc = model.draft_config
+        from sglang.srt.arg_groups.model_override_base import resolved_view
+
+        # the verify window SGLang's argument hook resolved from the folder (its --speculative-num-draft-tokens)
+        window = resolved_view(sa).speculative_num_draft_tokens
+        dflash = {"block_size": model.block_size, "num_draft_tokens": window,
+                  "mask_token_id": dc.mask_token_id,
+                  "target_layer_ids": dc.target_layer_ids, "num_context_features": model.num_context_features}
 
     real_missing = [p for p in not_written if p not in from_target]
     report = {
@@ -264,6 +308,7 @@ def main():
         "aux_layer_ids_read": aux_read,
         "target_layers_to_capture": layers_to_capture,
         "aux_error": aux_err,
+        "dflash": dflash,
         "weight_loader_wrap_failed": rec["wrap_failed"],
         "stub_uses_after_load": _sglstub.LATE_USES,
         "load_error": None,
