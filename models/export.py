@@ -10,6 +10,7 @@ check and the scripts read through it.
     export_dflash(drafter, folder, verifier, training=..., engine="vllm")   DFlash: vllm (= sglang) | speculators
     drafter = load_dflash(folder, verifier)
     check_dflash_engine(cfg, engine)                                         at config time, before any training
+    check_dflash_verifier(engine, verifier)                                  once the verifier is read (SGLang's families)
 
 A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
 layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and
@@ -52,7 +53,7 @@ from draftheads.models.medusa import MedusaHeads, as_rows, check_tree, lora_mode
 from draftheads.models.verifier import Verifier, VerifierError, check_drafter_matches
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "DFLASH_ENGINES", "check_dflash_engine",
-           "export_dflash", "export_eagle", "load_dflash", "load_eagle", "load_medusa", "load_medusa_verifier",
+           "check_dflash_verifier", "export_dflash", "export_eagle", "load_dflash", "load_eagle", "load_medusa", "load_medusa_verifier",
            "read_drafter", "read_metadata", "save_medusa"]
 
 EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang, eagle_speculators)}
@@ -303,6 +304,22 @@ def _check_sglang_own_head(cfg, engine: str) -> None:
                           "vllm, or set dflash.draft_vocab_size=null")
 
 
+#: Verifier model types whose SGLang 0.5.23 class has no DFlash capture hook (`set_dflash_layers_to_capture`): its
+#: server refuses to start DFLASH with them. Checked with SGLang's own code: qwen2 (tests/e2e/interop/test_sglang.py).
+SGLANG_NO_DFLASH_CAPTURE = ("qwen2",)
+
+
+def check_dflash_verifier(engine: str, verifier) -> None:
+    """Refuse a verifier the engine cannot serve a DFlash drafter of (a DFlashError naming the engine and the
+    verifier's model type); the trainer asks as soon as the verifier is loaded, before any step."""
+    from draftheads.models.dflash import DFlashError
+
+    model_type = getattr(verifier.config, "model_type", None)
+    if engine == "sglang" and model_type in SGLANG_NO_DFLASH_CAPTURE:
+        raise DFlashError(f"engine sglang with a {model_type} verifier: SGLang 0.5.23 has no DFlash capture of a "
+                          f"{model_type} target's layers and refuses to start; export for engine vllm or speculators")
+
+
 def export_dflash(drafter, folder: str | os.PathLike, verifier, training: dict | None = None, engine: str = "vllm",
                   num_speculative_tokens: int | None = None) -> Path:
     """Write a DFlash drafter (`draftheads.models.dflash.DFlashDrafter`) for an inference engine, atomically, in
@@ -311,6 +328,7 @@ def export_dflash(drafter, folder: str | os.PathLike, verifier, training: dict |
     layout = _dflash_layout(engine)
     layout.check(drafter.cfg)
     _check_sglang_own_head(drafter.cfg, engine)
+    check_dflash_verifier(engine, verifier)
     cfg = drafter.cfg.to_dict()
     meta = metadata_block("dflash", verifier, layer_ids=list(drafter.cfg.target_layer_ids), engine=engine,
                           dflash=cfg, training=training or {})

@@ -7,7 +7,7 @@
 # The DFlash reference check (tests/e2e/test_dflash_reference.py) needs .venv-dflash (z-lab's `dflash` package),
 # which scripts/setup_dflash_reference.sh makes once (about a minute of CPU; torch from the local wheel);
 # DRAFTHEADS_DFLASH_REFERENCE=0 leaves it out (the tests then report themselves skipped; without the venv and
-# without that setting they fail, like the interop suite without vLLM).
+# without that setting they error, like the interop suite without vLLM).
 # DRAFTHEADS_SGLANG=1 also makes .venv-sglang (scripts/setup_sglang.sh) for the SGLang loader test.
 set -euo pipefail
 # The three environments are independent and each set-up is mostly one single-threaded pip: on a clean clone they

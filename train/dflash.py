@@ -36,7 +36,7 @@ from draftheads.data.progress import quiet
 from draftheads.models.dflash import DFlashConfig, DFlashTrainModule, build_drafter
 from draftheads.models.dtypes import to_dtype
 from draftheads.models.eagle import StepCounts
-from draftheads.models.export import check_dflash_engine, export_dflash
+from draftheads.models.export import check_dflash_engine, check_dflash_verifier, export_dflash
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, RunConfig
 from draftheads.train.features import batch_tokens, feature_source
@@ -91,6 +91,10 @@ def main(cfg: DFlashRunConfig) -> dict:
     say = (lambda message: None) if quiet() else accelerator.print
 
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
+    try:
+        check_dflash_verifier(cfg.engine, verifier)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
     start_tracking(accelerator, cfg)  # wandb only now: the verifier, its tokenizer and the data passed their checks
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "

@@ -81,8 +81,7 @@ def main():
     # SGLang's argument hook refuses DFLASH on a CPU device (its drafting kernels are CUDA / NPU / XPU); what this
     # runner checks, the draft loader and the capture of the target's layers, does not run those kernels. While the
     # arguments are resolved (publish), that hook alone sees the platform as an out-of-tree one that supports DFLASH
-    # with the in-tree draft attention backends (falling back to
-    # triton); every other hook sees the real platform.
+    # with the in-tree draft attention backends (falling back to triton); every other hook sees the real platform.
     from sglang.srt.arg_groups import speculative_hook
 
     real = speculative_hook.current_platform
@@ -246,7 +245,7 @@ def main():
         elif hot is not None:
             hot_ok = bool(int(hot.max()) < model.config.vocab_size)
 
-    # ---- EAGLE-3 aux layers: SGLang's resolver + target's capture hook --------
+    # ---- EAGLE-3 / DFlash aux layers: SGLang's resolver + target's capture hook --------
     aux_read, layers_to_capture, aux_err = None, None, None
     if algo in ("EAGLE3", "DFLASH"):
         try:

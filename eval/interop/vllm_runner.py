@@ -171,8 +171,11 @@ def speculators_dflash_logits(case: dict) -> dict:
         with torch.no_grad():
             model(hidden_states=hidden, input_ids=ids, loss_mask=loss_mask, verifier_last_hidden_states=last,
                   document_ids=torch.zeros_like(ids), **kwargs)
-        result.update(ok=True, model_class=type(model).__name__, block_size=model.block_size,
-                      logits=seen[0][0].tolist())
+        logits = seen[0][0]
+        if logits.shape[0] != len(case["anchors"]) * model.block_size:  # an anchor its sampling could not draw
+            raise ValueError(f"{logits.shape[0]} block positions for {len(case['anchors'])} anchors of block "
+                             f"{model.block_size}: anchors must be distinct and < T - block_size")
+        result.update(ok=True, model_class=type(model).__name__, block_size=model.block_size, logits=logits.tolist())
     except Exception as err:
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()[-3000:]

@@ -141,6 +141,16 @@ def test_a_run_resolved_otherwise_is_not_continued(tmp_path, verifier_dir, monke
     assert [r["step"] for r in records(out) if "train/loss" in r] == [1, 2, 3, 4]
 
 
+def test_an_engine_that_cannot_serve_the_verifier_is_refused_before_training(tmp_path):
+    """engine sglang with a Qwen2 verifier (SGLang 0.5.23 has no DFlash capture for it): one config error once the
+    verifier is read, before any step or checkpoint."""
+    qwen2 = save_verifier_with_tokenizer(tmp_path / "qwen2", "qwen2")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"text": "def f(x):\n    return x\n" * 8}) + "\n")
+    with pytest.raises(ConfigError, match="^engine sglang with a qwen2 verifier"):
+        run(*tiny_args(qwen2, tmp_path / "run", "--engine=sglang"))
+    assert not complete_checkpoints(tmp_path / "run")
+
+
 def test_offline_features_train_the_same_drafter(tmp_path, verifier_dir):
     from draftheads.train.dump_features import dump
 

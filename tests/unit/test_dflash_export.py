@@ -12,7 +12,8 @@ from transformers import Qwen3Config
 from draftheads.eval.interop.vllm_reading import Unreadable, dflash_expected_weights, dflash_pretrained, \
     dflash_reading
 from draftheads.models.dflash import DFlashConfig, DFlashError, build_drafter
-from draftheads.models.export import DrafterFormatError, check_dflash_engine, export_dflash, load_dflash
+from draftheads.models.export import DrafterFormatError, check_dflash_engine, check_dflash_verifier, \
+    export_dflash, load_dflash
 from draftheads.models.verifier import Verifier, VerifierError
 
 
@@ -125,6 +126,17 @@ def test_engine_refusals_name_the_key(verifiers):
         check_dflash_engine(mixed, "speculators")
     with pytest.raises(DFlashError, match="engine='tensorrt'"):
         check_dflash_engine(DFlashConfig(), "tensorrt")
+
+
+def test_sglang_is_refused_for_a_verifier_it_cannot_capture(tmp_path, verifiers):
+    """SGLang 0.5.23 has no DFlash capture for Qwen2 (tests/e2e/interop/test_sglang.py): refused, naming both."""
+    with pytest.raises(DFlashError, match=r"^engine sglang with a qwen2 verifier: SGLang 0\.5\.23 has no DFlash"):
+        check_dflash_verifier("sglang", verifiers["qwen2"])
+    with pytest.raises(DFlashError, match="engine sglang with a qwen2 verifier"):
+        export_dflash(make(verifiers["qwen2"]), tmp_path / "q2", verifiers["qwen2"], engine="sglang")
+    assert not (tmp_path / "q2").exists()
+    check_dflash_verifier("vllm", verifiers["qwen2"])
+    check_dflash_verifier("sglang", verifiers["llama"])
 
 
 def test_vllms_reading_of_other_folders(tmp_path, verifiers):

@@ -130,10 +130,12 @@ def test_serve_check_passes_dflash_exports_and_fails_an_edited_one(tmp_path, cap
 
 
 def test_speculators_library_reads_our_dflash_export_with_its_own_classes(tmp_path, vllm_ready):
-    """`SpeculatorModel.from_pretrained(FOLDER)` on our speculators-format DFlash export (speculators 0.9 in
-    .venv-vllm, its own DFlashDraftModel; the verifier's embedding and lm_head loaded by it from the path the folder
-    names): its training forward over anchored blocks computes our drafter's block logits to float tolerance, for
-    several anchors of one row at once (each block reading the context strictly before its anchor)."""
+    """`SpeculatorModel.from_pretrained(FOLDER, config=its config with sdpa attention)` on our speculators-format
+    DFlash export (speculators 0.9 in .venv-vllm, its own DFlashDraftModel; the verifier's embedding and lm_head
+    loaded by it from the path the folder names): its training forward over anchored blocks, given the verifier's
+    features, computes our drafter's block logits to float tolerance, for several anchors of one row at once (each
+    block reading the context strictly before its anchor). Full-attention layers; the layer ids it would read are
+    not exercised here (vLLM's conversion of the format is, above)."""
     import torch
 
     from draftheads.eval.interop.vllm_peer import SpeculatorsDFlashLogits
