@@ -238,3 +238,19 @@ def crash_after_step(monkeypatch, step: int, run) -> None:
         raise AssertionError(f"the run ended before step {step}")
     finally:
         monkeypatch.setattr(TrainLoop, "step", original)
+
+
+def record_wandb_logs(monkeypatch) -> list[tuple[int | None, set[str]]]:
+    """(step, keys) of every wandb `Run.log` call from now on, the calls still made. Every log should name the
+    training step and never go back: wandb drops a log to an earlier step than its last (an unstepped table once
+    pushed the counter ahead and the eval/* metrics after it were lost)."""
+    import wandb
+
+    logged, log = [], wandb.sdk.wandb_run.Run.log
+
+    def recording_log(self, data, step=None, *args, **kwargs):
+        logged.append((step, set(data)))
+        return log(self, data, step, *args, **kwargs)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", recording_log)
+    return logged

@@ -14,7 +14,7 @@ from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.dflash import DFlashRunConfig, main
 from tests.e2e.test_train_eagle import save_verifier_with_tokenizer
-from tests.utils import crash_after_step, reset_accelerate
+from tests.utils import crash_after_step, record_wandb_logs, reset_accelerate
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("fresh_accelerate")
@@ -80,15 +80,7 @@ def test_wandb_offline_run_logs_every_step_in_order(tmp_path, verifier_dir, monk
     """wandb on (offline, as a user without a key runs it): the run folder holds the wandb run, every log names its
     training step and none goes back (wandb drops a log to an earlier step), the train, held-out and end-of-run
     check metrics among them."""
-    import wandb
-
-    logged, log = [], wandb.sdk.wandb_run.Run.log
-
-    def recording_log(self, data, step=None, *args, **kwargs):
-        logged.append((step, set(data)))
-        return log(self, data, step, *args, **kwargs)
-
-    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", recording_log)
+    logged = record_wandb_logs(monkeypatch)
     out = tmp_path / "run"
     run(*tiny_args(verifier_dir, out, "--train.max_steps=2", "--wandb.enabled=true", "--wandb.mode=offline"))
     assert list((out / "wandb").glob("offline-run-*"))

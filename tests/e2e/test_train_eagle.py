@@ -16,7 +16,8 @@ from draftheads.models.verifier import Verifier
 from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.eagle import EagleRunConfig, draft_vocab_counts, main
-from tests.utils import FAMILIES, crash_after_step, free_port, reset_accelerate, save_tiny_verifier
+from tests.utils import FAMILIES, crash_after_step, free_port, record_wandb_logs, reset_accelerate, \
+    save_tiny_verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,17 +157,7 @@ def test_every_family_trains(tmp_path, verifier_dirs, family):
 
 
 def test_wandb_offline_and_bf16_export(tmp_path, verifier_dirs, monkeypatch):
-    import wandb
-
-    # Every wandb log names the training step, never going back: wandb drops a log to an earlier step than its
-    # last (an unstepped table once pushed the counter ahead and the eval/* metrics after it were lost).
-    logged, log = [], wandb.sdk.wandb_run.Run.log
-
-    def recording_log(self, data, step=None, *args, **kwargs):
-        logged.append((step, set(data)))
-        return log(self, data, step, *args, **kwargs)
-
-    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", recording_log)
+    logged = record_wandb_logs(monkeypatch)  # every log names its step, never going back
     out = tmp_path / "run"
     run(*tiny_args(verifier_dirs["llama"], out, 3, "--train.max_steps=2", "--wandb.enabled=true",
                    "--wandb.mode=offline", "--export_dtype=bfloat16", "--train.mixed_precision=bf16"))
