@@ -96,3 +96,29 @@ def test_extra_eagle3_exports_and_the_parallel_draft_cost(tmp_path):
         bench.add_extra_eagle3([f"nolabel{tmp_path}"], [4], {})
     with pytest.raises(SystemExit, match="LABEL=DIR"):
         bench.add_extra_eagle3([f"x={tmp_path / 'missing'}"], [4], {})
+
+
+def test_dflash_extra_decodes_beside_eagle3(setup, tmp_path):
+    """--dflash-extra LABEL=DIR (scripts/bench_dflash.sh's decode): a DFlash export decodes as variant dflash-LABEL
+    beside EAGLE-3, with its tau, per-position acceptance (one entry per mask position) and drafter time per step."""
+    import torch
+
+    from draftheads.models.dflash import DFlashConfig, build_drafter
+    from draftheads.models.export import export_dflash
+    from draftheads.models.verifier import Verifier
+
+    verifier = Verifier.from_pretrained(setup / "verifier")
+    torch.manual_seed(0)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=4, target_layer_ids=[0, 2]))
+    folder = export_dflash(drafter, tmp_path / "dflash", verifier)
+    bench = script("bench_decode")
+    out = tmp_path / "bench"
+    assert bench.main(["--out", str(out), "--verifier", str(setup / "verifier"), "--eagle3", str(setup / "eagle3"),
+                       "--num-prompts", "2", "--max-new-tokens", "8", "--temperatures", "0",
+                       "--variants", "eagle3-chain4", "--dflash-extra", f"b4={folder}"]) == 0
+    result = json.loads((out / "bench.json").read_text())["results"]["0.0"]
+    row = result["summary"]["dflash-b4"]
+    assert row["tau"] >= 1 and row["tokens_per_s"] > 0 and len(row["per_position_acceptance"]) == 3
+    assert result["step_profile"]["dflash-b4"]["draft_ms"] > 0
+    with pytest.raises(SystemExit, match="LABEL=DIR"):
+        bench.add_extra_dflash([f"x={tmp_path / 'missing'}"], {})
