@@ -10,7 +10,7 @@ check and the scripts read through it.
     export_dflash(drafter, folder, verifier, training=..., engine="vllm")   DFlash: vllm (= sglang) | speculators
     drafter = load_dflash(folder, verifier)
     check_dflash_engine(cfg, engine)                                         at config time, before any training
-    check_dflash_verifier(engine, verifier)                                  once the verifier is read (SGLang's families)
+    check_dflash_verifier(engine, verifier)                                  once the verifier is read
 
 A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
 layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and
@@ -53,8 +53,8 @@ from draftheads.models.medusa import MedusaHeads, as_rows, check_tree, lora_mode
 from draftheads.models.verifier import Verifier, VerifierError, check_drafter_matches
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "DFLASH_ENGINES", "check_dflash_engine",
-           "check_dflash_verifier", "export_dflash", "export_eagle", "load_dflash", "load_eagle", "load_medusa", "load_medusa_verifier",
-           "read_drafter", "read_metadata", "save_medusa"]
+           "check_dflash_verifier", "export_dflash", "export_eagle", "load_dflash", "load_eagle", "load_medusa",
+           "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa"]
 
 EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang, eagle_speculators)}
 ENGINES = tuple(EAGLE_LAYOUTS)
