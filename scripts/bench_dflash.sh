@@ -21,6 +21,10 @@
 # DFLASH_EXTRA_VOCAB="5:2048" also trains DFlash at block 5 with its own lm_head over a 2048-token draft vocabulary
 # (label b5v2048; dflash.draft_vocab_size, as EAGLE-3's config has): the config's drafters read the verifier's head.
 #
+# DFLASH_SEED=N trains every drafter with --train.seed=N (default 0): the rows' order, the initial weights and DFlash's
+# anchors change, the rows and the held-out set do not; a second seed in another DFLASH_DIR measures how far one
+# training's tau is from another's.
+#
 # Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
@@ -49,6 +53,9 @@ done
 DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the training data
 [[ $DATA_PROMPTS =~ ^[1-9][0-9]*$ ]] || { echo "DFLASH_DATA_PROMPTS: '$DATA_PROMPTS': expected a positive integer" \
   "(stdlib functions to continue)" >&2; exit 2; }
+SEED=${DFLASH_SEED:-0}
+[[ $SEED =~ ^(0|[1-9][0-9]*)$ ]] || { echo "DFLASH_SEED: '$SEED': expected a non-negative integer (the trainers'" \
+  "train.seed)" >&2; exit 2; }
 DIR=${DFLASH_DIR:-runs/bench-dflash}
 if [ -f "$DIR/selfdistill.jsonl" ] && held=$(wc -l < "$DIR/selfdistill.jsonl") && [ "$held" -ne "$DATA_PROMPTS" ]; then
   echo "$DIR/selfdistill.jsonl holds $held rows, not DFLASH_DATA_PROMPTS=$DATA_PROMPTS:" \
@@ -72,7 +79,7 @@ mkdir -p "$DIR"
   --out "$DIR/selfdistill.jsonl" --num-prompts "$DATA_PROMPTS"
 COMMON=(--verifier "$VERIFIER" --wandb.enabled=false --train.max_steps="$STEPS" --train.eval_every="$STEPS"
         --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
-        --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8)
+        --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8 --train.seed="$SEED")
 
 train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder, up to $JOBS at a time
   local label=$1 script=$2 config=$3

@@ -1,6 +1,6 @@
 """scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS, DFLASH_EXTRA_ANCHORS,
-DFLASH_EXTRA_VOCAB or DFLASH_DATA_PROMPTS, and a folder whose rows are not the number asked for, in one line, before
-it sets anything up or trains anything."""
+DFLASH_EXTRA_VOCAB, DFLASH_DATA_PROMPTS or DFLASH_SEED, and a folder whose rows are not the number asked for, in one
+line, before it sets anything up or trains anything."""
 
 import os
 import subprocess
@@ -72,3 +72,9 @@ def test_rows_of_another_size_are_not_reused(tmp_path):
     assert proc.stdout == "" and sorted(p.name for p in out.iterdir()) == ["selfdistill.jsonl"]
     assert proc.stderr.strip() == (f"{rows} holds 3 rows, not DFLASH_DATA_PROMPTS=800: set DFLASH_DATA_PROMPTS to "
                                    "its count, or use another DFLASH_DIR")
+
+
+@pytest.mark.parametrize("value", ["-1", "1.5", "01", "seed", "1 "])
+def test_malformed_seed_is_refused_in_one_line(tmp_path, value):
+    assert refusal(tmp_path, "DFLASH_SEED", value) == (
+        f"DFLASH_SEED: '{value}': expected a non-negative integer (the trainers' train.seed)")
