@@ -25,7 +25,9 @@
 # anchors change, the rows and the held-out set do not; a second seed in another DFLASH_DIR measures how far one
 # training's tau is from another's.
 #
-# Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain).
+# Each drafter is trained once: a rerun reuses a label's folder when it holds that label's drafter trained with the
+# same settings and inputs (scripts/same_run.py asks the trainer's run record), and stops, naming what differs, when
+# it holds another run's (another DFLASH_SEED or DFLASH_STEPS in an old DFLASH_DIR); delete the folder to retrain.
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
 EXTRA_WINDOWS=${DFLASH_EXTRA_WINDOWS:-}
@@ -63,6 +65,7 @@ if [ -f "$DIR/selfdistill.jsonl" ] && held=$(wc -l < "$DIR/selfdistill.jsonl") &
   exit 2
 fi
 source "$(dirname "$0")/setup_env.sh"
+source scripts/same_run.sh  # setup_env.sh has moved to the repository root
 VERIFIER=${DFLASH_VERIFIER:-tiny-code}
 STEPS=${DFLASH_STEPS:-600}
 WARMUP=${DFLASH_WARMUP:-$(( STEPS >= 200 ? 20 : STEPS / 10 + 1 ))}  # the configs' 20 of 600; less for a smoke run
@@ -81,18 +84,18 @@ COMMON=(--verifier "$VERIFIER" --wandb.enabled=false --train.max_steps="$STEPS" 
         --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
         --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8 --train.seed="$SEED")
 
-train() {  # train LABEL SCRIPT CONFIG [overrides...]: once per run folder, up to $JOBS at a time
+QUEUE=()  # label, overrides, command (quoted): what to train once every label has been checked
+train() {  # train LABEL SCRIPT CONFIG [overrides...]: queued, unless $DIR/LABEL holds this very run already
   local label=$1 script=$2 config=$3
   shift 3
-  if [ ! -f "$DIR/$label/drafter/config.json" ]; then
-    echo "== training $label ($STEPS steps) $*"
-    if [ "$JOBS" -le 1 ]; then
-      python "$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@"
-    else
-      while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
-      python "$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@" >"$DIR/$label.log" 2>&1 &
-    fi
+  local args=("$script" --config "$config" --output_dir "$DIR/$label" "${COMMON[@]}" "$@")
+  # reused only if it is the same run, so another DFLASH_SEED, DFLASH_STEPS or set of rows pointed at an old folder
+  # stops here instead of decoding the old drafters
+  if trained "$DIR/$label" "use another DFLASH_DIR, or delete $DIR/$label to train it again" "${args[@]}"; then
+    echo "== reusing $label: $DIR/$label holds its drafter, trained with these settings and inputs"
+    return
   fi
+  QUEUE+=("$label" "$*" "$(printf '%q ' "${args[@]}")")
 }
 
 train eagle3 train/eagle.py configs/eagle3-tiny.yaml ${LAYERS:+--eagle.layer_ids=$LAYERS}
@@ -127,6 +130,17 @@ done
 for pair in $EXTRA_VOCAB; do
   b=${pair%:*} v=${pair#*:}
   dflash "b${b}v$v" --dflash.block_size="$b" --dflash.draft_vocab_size="$v"
+done
+# every label checked: nothing has started training yet if one of them was refused
+for ((i = 0; i < ${#QUEUE[@]}; i += 3)); do
+  label=${QUEUE[i]}
+  echo "== training $label ($STEPS steps) ${QUEUE[i + 1]}"
+  if [ "$JOBS" -le 1 ]; then
+    eval "python ${QUEUE[i + 2]}"
+  else
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do wait -n || true; done
+    eval "python ${QUEUE[i + 2]}" >"$DIR/$label.log" 2>&1 &
+  fi
 done
 wait
 for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log

@@ -6,11 +6,14 @@
 #
 #   bash scripts/bench_eagle_recipes.sh     # RECIPES_VERIFIER=tiny-micro RECIPES_STEPS=300 RECIPES_DIR=runs/recipes ...
 #
-# Each drafter is trained once (a rerun skips those already exported; delete the run folder to retrain). The
+# Each drafter is trained once: a rerun reuses a label's folder when it holds that label's drafter trained with the
+# same settings and inputs (scripts/same_run.sh), and stops, naming what differs, when it holds another run's (other
+# RECIPES_STEPS in an old RECIPES_DIR); delete the folder to retrain. The
 # training data are the verifier's own continuations of stdlib functions (scripts/selfdistill_data.py), the
 # bench's default for its drafters.
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
+source scripts/same_run.sh  # setup_env.sh has moved to the repository root
 VERIFIER=${RECIPES_VERIFIER:-tiny-micro}
 STEPS=${RECIPES_STEPS:-300}
 SEQ_LEN=${RECIPES_SEQ_LEN:-128}
@@ -46,13 +49,16 @@ for entry in "${RECIPES[@]}"; do
   overrides=${entry#*:}
   run="$DIR/$label"
   if [ -n "$ONLY" ] && [[ " $ONLY " != *" $label "* ]]; then continue; fi
-  if [ ! -f "$run/drafter/config.json" ]; then
+  # shellcheck disable=SC2086
+  args=(train/eagle.py --config configs/eagle3-tiny.yaml --verifier "$VERIFIER" --output_dir "$run"
+        --wandb.enabled=false --train.mixed_precision=no --train.max_steps="$STEPS" --train.eval_every="$STEPS"
+        --train.save_every="$STEPS" --data.seq_len="$SEQ_LEN" --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8
+        ${LAYERS:+--eagle.layer_ids=$LAYERS} $overrides)
+  if trained "$run" "use another RECIPES_DIR, or delete $run to train it again" "${args[@]}"; then
+    echo "== reusing $label: $run holds its drafter, trained with these settings and inputs"
+  else
     echo "== training $label ($STEPS steps) $overrides"
-    # shellcheck disable=SC2086
-    python train/eagle.py --config configs/eagle3-tiny.yaml --verifier "$VERIFIER" --output_dir "$run" \
-      --wandb.enabled=false --train.mixed_precision=no --train.max_steps="$STEPS" --train.eval_every="$STEPS" \
-      --train.save_every="$STEPS" --data.seq_len="$SEQ_LEN" --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8 \
-      ${LAYERS:+--eagle.layer_ids=$LAYERS} $overrides
+    python "${args[@]}"
   fi
   EXTRA+=("$label=$run/drafter")
 done

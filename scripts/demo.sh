@@ -8,9 +8,12 @@
 #   bash scripts/demo.sh                 # DEMO_DIR=runs/demo DEMO_PROMPTS=10 DEMO_STEPS=150 to change
 #   DEMO_VERIFIER=tiny-micro bash scripts/demo.sh     # the 4-layer test verifier: the same pipeline in minutes
 #
-# Every stage is cached: a rerun skips what is already built or trained (delete $DEMO_DIR to start over).
+# Every stage is cached: a rerun skips what is already built or trained (a drafter only when it was trained with the
+# same settings and inputs: scripts/same_run.sh; another DEMO_STEPS in an old DEMO_DIR stops, naming what differs;
+# delete $DEMO_DIR to start over).
 set -euo pipefail
 source "$(dirname "$0")/setup_env.sh"
+source scripts/same_run.sh  # setup_env.sh has moved to the repository root
 VERIFIER=${DEMO_VERIFIER:-tiny-code}
 case "$VERIFIER" in
   tiny-code) RECIPE=default; LAYERS="" ;;
@@ -43,16 +46,22 @@ stage "2/5 training data: what the verifier writes after stdlib functions' docst
 PRECISION=$(python -c "from draftheads.models.tiny import native_bf16; print('bf16' if native_bf16() else 'no')")
 DATA=(--data.source="$DIR/selfdistill.jsonl" --train.max_steps="$STEPS" --train.eval_every="$STEPS"
       --train.save_every="$STEPS" --train.mixed_precision="$PRECISION")
-if [ -f "$DIR/medusa-tiny/drafter/config.json" ]; then echo "cached: $DIR/medusa-tiny/drafter"; else
-  python train/medusa.py --config configs/medusa-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/medusa-tiny" \
-    "${DATA[@]}"
+MEDUSA=(train/medusa.py --config configs/medusa-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/medusa-tiny"
+        "${DATA[@]}")
+if trained "$DIR/medusa-tiny" "use another DEMO_DIR, or delete $DIR/medusa-tiny to train it again" "${MEDUSA[@]}"; then
+  echo "cached: $DIR/medusa-tiny/drafter"
+else
+  python "${MEDUSA[@]}"
 fi
 
 stage "3/5 an EAGLE-3 drafter with EAGLE 3.1's fc_norm + norm_output ($STEPS steps of configs/eagle3-tiny.yaml)"
-if [ -f "$DIR/eagle3-tiny/drafter/config.json" ]; then echo "cached: $DIR/eagle3-tiny/drafter"; else
-  # shellcheck disable=SC2086
-  python train/eagle.py --config configs/eagle3-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/eagle3-tiny" \
-    "${DATA[@]}" --eagle.fc_norm=true --eagle.norm_output=true $LAYERS
+# shellcheck disable=SC2086
+EAGLE=(train/eagle.py --config configs/eagle3-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/eagle3-tiny"
+       "${DATA[@]}" --eagle.fc_norm=true --eagle.norm_output=true $LAYERS)
+if trained "$DIR/eagle3-tiny" "use another DEMO_DIR, or delete $DIR/eagle3-tiny to train it again" "${EAGLE[@]}"; then
+  echo "cached: $DIR/eagle3-tiny/drafter"
+else
+  python "${EAGLE[@]}"
 fi
 
 stage "4/5 evaluate on $PROMPTS HumanEval prompts beside autoregressive and HF assisted generation"

@@ -309,6 +309,25 @@ def record_resolved(cfg, name: str, values: dict) -> None:
     write_json(folder / RUN_FILE, record)
 
 
+def finished_other_run(cfg) -> str | None:
+    """Whether `cfg.output_dir` holds the finished run `cfg` describes, for a script that reuses a trained folder
+    instead of training it again: None when it holds no exported drafter (nothing to reuse: train it); '' when it
+    does and its run record has the result-deciding settings of `cfg` and inputs of the same contents (what a rerun's
+    `claim` and `claim_inputs` would accept as this run); else the reason it is another run, one line naming what
+    differs. Reads only: no lock, no record written, no model loaded (the verifier's folder is resolved, as
+    `run_inputs` does)."""
+    folder = Path(cfg.output_dir)
+    if not (Path(cfg.drafter_dir) / "config.json").is_file():
+        return None
+    theirs = recorded(folder)
+    if theirs is None or "inputs" not in theirs:
+        return (f"{folder} holds a drafter without a record of what it was trained from ({RUN_FILE} with its inputs), "
+                "so it cannot be told apart from another run's")
+    mine = {"signature": signature(config_dict(cfg)), "inputs": run_inputs(cfg, known=theirs["inputs"])}
+    differs = what_differs(theirs, mine)
+    return f"{folder} holds another run ({differs})" if differs else ""
+
+
 START_OVER = ("Use another output_dir, or --train.resume=none to start over here (the earlier run is moved to "
               "{folder}/previous-<time>/, not deleted)")
 

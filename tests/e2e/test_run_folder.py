@@ -4,6 +4,7 @@ readable by other users."""
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -117,3 +118,52 @@ def test_the_exported_drafter_is_readable_by_others(tmp_path, verifier_dirs):
         mode = stat.S_IMODE(path.stat().st_mode)
         assert mode & 0o044 == 0o044, (path, oct(mode))  # group and others may read (and list the folder)
     assert time.time() - (out / "drafter").stat().st_mtime < 600
+
+
+def test_finished_other_run_tells_this_run_from_another(tmp_path, verifier_dirs):
+    """What the scripts that reuse a trained folder ask first (train/run_folder.py `finished_other_run`, through
+    scripts/same_run.py): the same settings and inputs reuse it, another seed or data of other contents do not."""
+    from draftheads.train.config import parse_config
+    from draftheads.train.eagle import EagleRunConfig
+    from draftheads.train.run_folder import finished_other_run
+
+    def ask(*extra):
+        return finished_other_run(parse_config(EagleRunConfig, tiny_args(verifier_dirs["llama"], out, 3, *extra)))
+
+    out = tmp_path / "run"
+    assert ask() is None  # nothing there: train it
+    run(*tiny_args(verifier_dirs["llama"], out, 3))
+    assert ask() == ""
+    assert ask("--train.log_every=3", "--train.save_every=4") == ""  # settings that do not change what is trained
+    assert ask("--train.seed=1") == f"{out} holds another run (its settings differ: train.seed: 0 -> 1)"
+    # the same path, other contents
+    rows = verifier_dirs["llama"].parent / "rows.jsonl"
+    copy = tmp_path / "rows.jsonl"
+    copy.write_text(rows.read_text().replace("number 3", "number three"))
+    assert ask(f"--data.source={copy}").startswith(f"{out} holds another run (its inputs differ: ")
+    # the script's exit status and its one line
+    script = [sys.executable, "scripts/same_run.py", "train/eagle.py"]
+    base = tiny_args(verifier_dirs["llama"], out, 3)
+    cwd = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for extra, status, stderr in (([], 0, ""), (["--train.seed=1"], 1, f"{out} holds another run (its settings "
+                                                                        "differ: train.seed: 0 -> 1)\n"),
+                                  (["--train.lr=x"], 2, "config error: ")):
+        proc = subprocess.run(script + base + extra, cwd=cwd, capture_output=True, text=True, timeout=120)
+        assert (proc.returncode, proc.stderr[:len(stderr)]) == (status, stderr), proc.stderr
+    proc = subprocess.run(script + tiny_args(verifier_dirs["llama"], tmp_path / "fresh", 3), cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and not (tmp_path / "fresh").exists(), proc.stderr  # reads only
+    # and a bench that reuses trained folders stops on it before training anything (scripts/bench_dflash.sh)
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    shutil.copytree(out, bench / "eagle3")
+    (bench / "selfdistill.jsonl").write_text(rows.read_text().splitlines()[0] + "\n")
+    env = {**os.environ, "DFLASH_DIR": str(bench), "DFLASH_DATA_PROMPTS": "1", "DFLASH_VERIFIER": str(
+        verifier_dirs["llama"]), "DFLASH_STEPS": "4"}
+    proc = subprocess.run(["bash", "scripts/bench_dflash.sh"], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{bench}/eagle3 holds another run (its settings differ: ") and lines[0].endswith(
+        f"; use another DFLASH_DIR, or delete {bench}/eagle3 to train it again"), lines[0]
+    assert sorted(p.name for p in bench.iterdir()) == ["eagle3", "selfdistill.jsonl"]  # nothing else started
