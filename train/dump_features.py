@@ -15,6 +15,7 @@ end); shards already done are skipped, so rerunning the same command after a cra
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         if not out:
             raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")
         dump(cfg, out, args.method, args.dtype, args.rows_per_shard, args.batch_size)
+        # as train/cli.py main_guard does after a run: the accelerator's process-group threads are freed while the
+        # interpreter is whole, not during its exit (where a 2-process gloo run sometimes aborted after finishing)
+        gc.collect()
     except (CacheError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
