@@ -26,8 +26,9 @@
 # training's tau is from another's.
 #
 # Each drafter is trained once: a rerun reuses a label's folder when it holds that label's drafter trained with the
-# same settings and inputs (scripts/same_run.py asks the trainer's run record), and stops, naming what differs, when
-# it holds another run's (another DFLASH_SEED or DFLASH_STEPS in an old DFLASH_DIR); delete the folder to retrain.
+# same settings and inputs (scripts/same_run.py asks the trainer's run record), and stops before anything trains,
+# naming what differs, when it holds another run (another DFLASH_SEED or DFLASH_STEPS in an old DFLASH_DIR); delete
+# the folder to retrain.
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
 EXTRA_WINDOWS=${DFLASH_EXTRA_WINDOWS:-}

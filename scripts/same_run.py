@@ -11,9 +11,12 @@ the rest exactly what the trainer is given. The trainer's own run record decides
 contents, as a rerun of the trainer would require to continue it. Exit status:
 
     0  the folder holds this run's exported drafter: reuse it
-    3  it holds no exported drafter: train it
-    1  it holds another run's drafter: one line on stderr naming what differs
-    2  the arguments do not parse, or an input is missing (the trainer's own error, one line)
+    3  it holds no exported drafter (nothing, or an unfinished run of these settings, which the trainer continues):
+       train it
+    4  it holds another run, finished or not: one line on stderr naming what differs
+    2  the arguments do not parse, or an input is missing or unreadable (the trainer's own error, one line)
+
+(1, Python's status for an uncaught exception, is never "another run".)
 """
 
 from __future__ import annotations
@@ -51,11 +54,15 @@ def main(argv: list[str]) -> int:
     except user_errors() as err:  # a missing verifier or data file: the trainer would stop on it too
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a record or an input that cannot be read
+        where = f" ({err.filename})" if err.filename else ""
+        print(f"error: {err.strerror or err}{where}", file=sys.stderr)
+        return 2
     if why is None:
         return 3
     if why:
         print(why, file=sys.stderr)
-        return 1
+        return 4
     return 0
 
 

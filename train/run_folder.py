@@ -311,21 +311,36 @@ def record_resolved(cfg, name: str, values: dict) -> None:
 
 def finished_other_run(cfg) -> str | None:
     """Whether `cfg.output_dir` holds the finished run `cfg` describes, for a script that reuses a trained folder
-    instead of training it again: None when it holds no exported drafter (nothing to reuse: train it); '' when it
-    does and its run record has the result-deciding settings of `cfg` and inputs of the same contents (what a rerun's
-    `claim` and `claim_inputs` would accept as this run); else the reason it is another run, one line naming what
-    differs. Reads only: no lock, no record written, no model loaded (the verifier's folder is resolved, as
-    `run_inputs` does)."""
+    instead of training it again. The answer is what the trainer's own `claim` and `claim_inputs` would decide on a
+    rerun: its record's result-deciding settings and its inputs' contents against `cfg`'s.
+
+    - None: train it. The folder holds nothing trained, or an unfinished run of these settings and inputs (no
+      exported drafter yet: the trainer continues it from its newest checkpoint).
+    - '': reuse it. It holds the exported drafter of this run. A folder recorded before inputs were (a run.json
+      without them, or only config.yaml and checkpoints) counts as this run when its settings match, as the trainer
+      continues it.
+    - else: it holds another run, finished or not (the trainer would refuse it): one line naming what differs, or
+      saying that a drafter without any record cannot be told apart from another run's.
+
+    Not compared: the defaults a run filled in when it started (run.json `resolved`, which a continuation checks
+    once the model is built); a reused drafter carries its own config, so it decodes as it was trained. Writes
+    nothing and takes no lock; resolving the verifier is what `run_inputs` does (an embedded verifier missing from
+    the cache is built)."""
     folder = Path(cfg.output_dir)
-    if not (Path(cfg.drafter_dir) / "config.json").is_file():
-        return None
-    theirs = recorded(folder)
-    if theirs is None or "inputs" not in theirs:
-        return (f"{folder} holds a drafter without a record of what it was trained from ({RUN_FILE} with its inputs), "
-                "so it cannot be told apart from another run's")
-    mine = {"signature": signature(config_dict(cfg)), "inputs": run_inputs(cfg, known=theirs["inputs"])}
+    finished = (Path(cfg.drafter_dir) / "config.json").is_file()
+    theirs = recorded(folder) if folder.is_dir() else None
+    if theirs is None:
+        if not finished:
+            return None
+        return (f"{folder} holds a drafter without a record of what it was trained from ({RUN_FILE}), so it cannot "
+                "be told apart from another run's")
+    mine = {"signature": signature(config_dict(cfg))}
+    if "inputs" in theirs:
+        mine["inputs"] = run_inputs(cfg, known=theirs["inputs"])
     differs = what_differs(theirs, mine)
-    return f"{folder} holds another run ({differs})" if differs else ""
+    if differs:
+        return f"{folder} holds another{'' if finished else ' unfinished'} run ({differs})"
+    return "" if finished else None
 
 
 START_OVER = ("Use another output_dir, or --train.resume=none to start over here (the earlier run is moved to "

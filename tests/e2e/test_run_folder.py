@@ -122,13 +122,15 @@ def test_the_exported_drafter_is_readable_by_others(tmp_path, verifier_dirs):
 
 def test_finished_other_run_tells_this_run_from_another(tmp_path, verifier_dirs):
     """What the scripts that reuse a trained folder ask first (train/run_folder.py `finished_other_run`, through
-    scripts/same_run.py): the same settings and inputs reuse it, another seed or data of other contents do not."""
+    scripts/same_run.py): the same settings and inputs reuse it, another seed or data of other contents do not, and
+    an unfinished run is trained (continued) only if it is this one, as the trainer itself decides."""
     from draftheads.train.config import parse_config
     from draftheads.train.eagle import EagleRunConfig
     from draftheads.train.run_folder import finished_other_run
 
-    def ask(*extra):
-        return finished_other_run(parse_config(EagleRunConfig, tiny_args(verifier_dirs["llama"], out, 3, *extra)))
+    def ask(*extra, folder=None):
+        return finished_other_run(parse_config(EagleRunConfig, tiny_args(verifier_dirs["llama"], folder or out, 3,
+                                                                         *extra)))
 
     out = tmp_path / "run"
     assert ask() is None  # nothing there: train it
@@ -141,11 +143,32 @@ def test_finished_other_run_tells_this_run_from_another(tmp_path, verifier_dirs)
     copy = tmp_path / "rows.jsonl"
     copy.write_text(rows.read_text().replace("number 3", "number three"))
     assert ask(f"--data.source={copy}").startswith(f"{out} holds another run (its inputs differ: ")
+    # an unfinished run (checkpoints, no drafter): trained on if it is this run, refused if not
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(out, unfinished)
+    shutil.rmtree(unfinished / "drafter")
+    assert ask(folder=unfinished) is None
+    assert ask("--train.seed=1", folder=unfinished) == (
+        f"{unfinished} holds another unfinished run (its settings differ: train.seed: 0 -> 1)")
+    # a folder recorded before inputs were: its settings decide, as the trainer continues it
+    legacy = tmp_path / "legacy"
+    shutil.copytree(out, legacy)
+    record = json.loads((legacy / "run.json").read_text())
+    del record["inputs"]
+    (legacy / "run.json").write_text(json.dumps(record))
+    assert ask(folder=legacy) == ""
+    assert ask("--train.seed=1", folder=legacy) == (
+        f"{legacy} holds another run (its settings differ: train.seed: 0 -> 1)")
+    (legacy / "run.json").unlink()
+    for step in legacy.glob("step-*"):
+        shutil.rmtree(step)
+    assert ask(folder=legacy) == (f"{legacy} holds a drafter without a record of what it was trained from (run.json), "
+                                  "so it cannot be told apart from another run's")
     # the script's exit status and its one line
     script = [sys.executable, "scripts/same_run.py", "train/eagle.py"]
     base = tiny_args(verifier_dirs["llama"], out, 3)
     cwd = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for extra, status, stderr in (([], 0, ""), (["--train.seed=1"], 1, f"{out} holds another run (its settings "
+    for extra, status, stderr in (([], 0, ""), (["--train.seed=1"], 4, f"{out} holds another run (its settings "
                                                                         "differ: train.seed: 0 -> 1)\n"),
                                   (["--train.lr=x"], 2, "config error: ")):
         proc = subprocess.run(script + base + extra, cwd=cwd, capture_output=True, text=True, timeout=120)
@@ -153,17 +176,19 @@ def test_finished_other_run_tells_this_run_from_another(tmp_path, verifier_dirs)
     proc = subprocess.run(script + tiny_args(verifier_dirs["llama"], tmp_path / "fresh", 3), cwd=cwd,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and not (tmp_path / "fresh").exists(), proc.stderr  # reads only
-    # and a bench that reuses trained folders stops on it before training anything (scripts/bench_dflash.sh)
+    # and scripts/bench_dflash.sh checks every label before it trains any: another run in a later label's folder
+    # stops it with nothing trained
     bench = tmp_path / "bench"
     bench.mkdir()
-    shutil.copytree(out, bench / "eagle3")
+    shutil.copytree(out, bench / "dflash-b4")
     (bench / "selfdistill.jsonl").write_text(rows.read_text().splitlines()[0] + "\n")
-    env = {**os.environ, "DFLASH_DIR": str(bench), "DFLASH_DATA_PROMPTS": "1", "DFLASH_VERIFIER": str(
-        verifier_dirs["llama"]), "DFLASH_STEPS": "4"}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}, "DFLASH_DIR": str(bench),
+           "DFLASH_DATA_PROMPTS": "1", "DFLASH_VERIFIER": str(verifier_dirs["llama"]), "DFLASH_STEPS": "4",
+           "DFLASH_BLOCKS": "4"}
     proc = subprocess.run(["bash", "scripts/bench_dflash.sh"], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith(f"{bench}/eagle3 holds another run (its settings differ: ") and lines[0].endswith(
-        f"; use another DFLASH_DIR, or delete {bench}/eagle3 to train it again"), lines[0]
-    assert sorted(p.name for p in bench.iterdir()) == ["eagle3", "selfdistill.jsonl"]  # nothing else started
+    assert lines[0].startswith(f"{bench}/dflash-b4 holds another run (its settings differ: ") and lines[0].endswith(
+        f"; use another DFLASH_DIR, or delete {bench}/dflash-b4 to train it again"), lines[0]
+    assert sorted(p.name for p in bench.iterdir()) == ["dflash-b4", "selfdistill.jsonl"]  # eagle3, peagle: not begun
