@@ -45,14 +45,20 @@ def _train(argv: list[str]) -> int:
         return 2 if got or not argv else 0
     from draftheads.train.cli import main_guard
 
-    if argv[0] == "medusa":
+    cls, main = trainer(argv[0])
+    main_guard(main, cls, argv[1:], prog=f"draftheads train {argv[0]}")
+    return 0
+
+
+def trainer(name: str):
+    """(its RunConfig class, its main) for one of TRAINERS; imports the trainer's module (torch, transformers)."""
+    if name == "medusa":
         from draftheads.train.medusa import MedusaRunConfig as cls, main
-    elif argv[0] == "dflash":
+    elif name == "dflash":
         from draftheads.train.dflash import DFlashRunConfig as cls, main
     else:
         from draftheads.train.eagle import EagleRunConfig as cls, main
-    main_guard(main, cls, argv[1:], prog=f"draftheads train {argv[0]}")
-    return 0
+    return cls, main
 
 
 def _build_verifier(argv):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-TRAINERS = ("medusa", "eagle", "dflash")
+from draftheads.cli import TRAINERS, trainer
 
 
 def main(argv: list[str]) -> int:
@@ -34,17 +34,11 @@ def main(argv: list[str]) -> int:
         print(f"usage: same_run.py TRAINER [trainer arguments]: TRAINER is one of train/medusa.py, train/eagle.py, "
               f"train/dflash.py (or medusa, eagle, dflash){got}", file=sys.stderr)
         return 2
-    trainer = Path(argv[0]).stem
+    cls, _ = trainer(Path(argv[0]).stem)
     from draftheads.train.cli import user_errors
     from draftheads.train.config import ConfigError, parse_config
     from draftheads.train.run_folder import finished_other_run
 
-    if trainer == "medusa":
-        from draftheads.train.medusa import MedusaRunConfig as cls
-    elif trainer == "dflash":
-        from draftheads.train.dflash import DFlashRunConfig as cls
-    else:
-        from draftheads.train.eagle import EagleRunConfig as cls
     try:
         cfg = parse_config(cls, argv[1:], prog=f"same_run.py {argv[0]}")
         why = finished_other_run(cfg)
@@ -54,7 +48,7 @@ def main(argv: list[str]) -> int:
     except user_errors() as err:  # a missing verifier or data file: the trainer would stop on it too
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except OSError as err:  # a record or an input that cannot be read
+    except OSError as err:  # a record or an input that cannot be read (train/cli.py's os_error_line speaks of a run)
         where = f" ({err.filename})" if err.filename else ""
         print(f"error: {err.strerror or err}{where}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import pytest
 from draftheads.train.checkpoint import complete_checkpoints
 from draftheads.train.config import ConfigError, RunConfig, WandbConfig
 from tests.e2e.test_train_eagle import (
+    ROOT,
     records,
     run,
     tiny_args,
@@ -167,13 +168,12 @@ def test_finished_other_run_tells_this_run_from_another(tmp_path, verifier_dirs)
     # the script's exit status and its one line
     script = [sys.executable, "scripts/same_run.py", "train/eagle.py"]
     base = tiny_args(verifier_dirs["llama"], out, 3)
-    cwd = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for extra, status, stderr in (([], 0, ""), (["--train.seed=1"], 4, f"{out} holds another run (its settings "
                                                                         "differ: train.seed: 0 -> 1)\n"),
                                   (["--train.lr=x"], 2, "config error: ")):
-        proc = subprocess.run(script + base + extra, cwd=cwd, capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(script + base + extra, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert (proc.returncode, proc.stderr[:len(stderr)]) == (status, stderr), proc.stderr
-    proc = subprocess.run(script + tiny_args(verifier_dirs["llama"], tmp_path / "fresh", 3), cwd=cwd,
+    proc = subprocess.run(script + tiny_args(verifier_dirs["llama"], tmp_path / "fresh", 3), cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and not (tmp_path / "fresh").exists(), proc.stderr  # reads only
     # and scripts/bench_dflash.sh checks every label before it trains any: another run in a later label's folder
@@ -185,7 +185,7 @@ def test_finished_other_run_tells_this_run_from_another(tmp_path, verifier_dirs)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}, "DFLASH_DIR": str(bench),
            "DFLASH_DATA_PROMPTS": "1", "DFLASH_VERIFIER": str(verifier_dirs["llama"]), "DFLASH_STEPS": "4",
            "DFLASH_BLOCKS": "4"}
-    proc = subprocess.run(["bash", "scripts/bench_dflash.sh"], cwd=cwd, env=env, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "scripts/bench_dflash.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
