@@ -13,6 +13,19 @@ set -euo pipefail
 # The three environments are independent and each set-up is mostly one single-threaded pip: on a clean clone they
 # run side by side (vLLM's and the DFlash reference's in the background while .venv is made), not one after another.
 here=$(dirname "$0")
+# A marker expression that names neither e2e nor interop and negates nothing (`-m unit`, `-m "unit or integration"`)
+# selects no test that reads those environments: the quick loop does not build them on a fresh clone.
+args=("$@")
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case ${args[i]} in
+    -m) expr=${args[i + 1]:-} ;;
+    -m*) expr=${args[i]#-m} ;;
+    *) continue ;;
+  esac
+  if [[ $expr != *e2e* && $expr != *interop* && $expr != *not* ]]; then
+    : "${DRAFTHEADS_INTEROP:=0}" "${DRAFTHEADS_DFLASH_REFERENCE:=0}"
+  fi
+done
 setups=()
 trap 'for pid in "${setups[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
 if [ "${DRAFTHEADS_INTEROP:-1}" != "0" ]; then
