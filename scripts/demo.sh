@@ -24,6 +24,10 @@ DIR=${DEMO_DIR:-runs/demo}
 [ "$VERIFIER" = tiny-code ] || DIR=${DEMO_DIR:-runs/demo-$VERIFIER}
 PROMPTS=${DEMO_PROMPTS:-10}
 STEPS=${DEMO_STEPS:-150}
+[[ $STEPS =~ ^[1-9][0-9]*$ ]] || { echo "DEMO_STEPS: '$STEPS': expected a positive integer (training steps per" \
+  "drafter)" >&2; exit 2; }
+# the configs warm up for 20 steps, which needs more than 20; a shorter smoke run warms up for a tenth of its steps
+WARMUP=$(( STEPS > 20 ? 20 : STEPS / 10 ))
 START=$SECONDS
 stage() { printf '\n== [%s, %dm%02ds] %s\n' "$(date +%T)" $(((SECONDS - START) / 60)) $(((SECONDS - START) % 60)) "$*"; }
 
@@ -45,7 +49,7 @@ stage "2/5 training data: what the verifier writes after stdlib functions' docst
 # EAGLE step takes ~10x longer than in fp32
 PRECISION=$(python -c "from draftheads.models.tiny import native_bf16; print('bf16' if native_bf16() else 'no')")
 DATA=(--data.source="$DIR/selfdistill.jsonl" --train.max_steps="$STEPS" --train.eval_every="$STEPS"
-      --train.save_every="$STEPS" --train.mixed_precision="$PRECISION")
+      --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision="$PRECISION")
 MEDUSA=(train/medusa.py --config configs/medusa-tiny.yaml --verifier "$VERIFIER" --output_dir "$DIR/medusa-tiny"
         "${DATA[@]}")
 if trained "$DIR/medusa-tiny" "use another DEMO_DIR, or delete $DIR/medusa-tiny to train it again" "${MEDUSA[@]}"; then
