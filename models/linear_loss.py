@@ -45,6 +45,8 @@ class LinearLossOut:
     """() Σ w·KL(teacher || student), detached (0 without a teacher)."""
     hits: torch.Tensor
     """(R,) rows with w > 0 whose target is the rank-r prediction, detached."""
+    argmax: torch.Tensor | None = None
+    """(N,) every row's top prediction (weighted or not), with `argmax=True`; else None."""
 
 
 def default_chunk_rows(vocab_size: int) -> int:
@@ -57,9 +59,11 @@ def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows, grads):
-    """The shared loop: yields nothing, returns sums (and gradients when `grads`)."""
+def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows, grads,
+            want_argmax=False):
+    """The shared loop: yields nothing, returns sums (and gradients when `grads`), and each row's argmax (or None)."""
     N = x.shape[0]
+    argmax = torch.empty(N, dtype=torch.long, device=x.device) if want_argmax else None
     mm = _matmul_dtype(x, weight)
     acc = torch.promote_types(mm, torch.float32)  # softmax and sums: fp32 (fp64 when the inputs are)
     w_mm = weight.to(mm)
@@ -89,9 +93,11 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
                 kl_sum += (w_c * kl).sum()
                 total = total + kl_weight * kl
             loss += (w_c * total).sum()
-            if max_rank:
+            if max_rank or argmax is not None:
                 top = logits.topk(max_rank, dim=-1).indices if max_rank > 1 else logits.argmax(-1, keepdim=True)
-                hits += ((top == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
+                hits += ((top[:, :max_rank] == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
+                if argmax is not None:
+                    argmax[start:stop] = top[:, 0]
             if grad_x is None and grad_w is None:
                 continue
             # d/dlogits of ce_weight·CE + kl_weight·KL = (ce_weight + kl_weight)·q − ce_weight·onehot − kl_weight·p
@@ -110,34 +116,40 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
                     grad_w.addmm_(g.T, x_c)  # (V, H), accumulated in place
                 else:
                     grad_w += g.T @ x_c  # a bf16/fp16 product, added into the fp32 sum
-    return loss, ce_sum, kl_sum, hits, grad_x, grad_w
+    return loss, ce_sum, kl_sum, hits, grad_x, grad_w, argmax
 
 
 class _LinearLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows):
-        loss, ce, kl, hits, grad_x, grad_w = _chunks(x, weight, target, token_weight, teacher_logits, ce_weight,
-                                                     kl_weight, max_rank, chunk_rows, grads=True)
+    def forward(ctx, x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows,
+                want_argmax):
+        loss, ce, kl, hits, grad_x, grad_w, argmax = _chunks(x, weight, target, token_weight, teacher_logits,
+                                                             ce_weight, kl_weight, max_rank, chunk_rows, grads=True,
+                                                             want_argmax=want_argmax)
         ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if grad_w is not None else None)
-        ctx.mark_non_differentiable(ce, kl, hits)
-        return loss, ce, kl, hits
+        if argmax is None:
+            ctx.mark_non_differentiable(ce, kl, hits)
+            return loss, ce, kl, hits
+        ctx.mark_non_differentiable(ce, kl, hits, argmax)
+        return loss, ce, kl, hits, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         grad_x, grad_w = ctx.saved_tensors
         grad_x = grad_x * grad_loss.to(grad_x.dtype) if grad_x is not None else None
         grad_w = grad_w * grad_loss.to(grad_w.dtype) if grad_w is not None else None
-        return grad_x, grad_w, None, None, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None, None, None
 
 
 def linear_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
                 teacher_logits: torch.Tensor | None = None, ce_weight: float = 1.0, kl_weight: float = 0.0,
-                max_rank: int = 1, chunk_rows: int | None = None) -> LinearLossOut:
+                max_rank: int = 1, chunk_rows: int | None = None, argmax: bool = False) -> LinearLossOut:
     """Σ w·(ce_weight·CE + kl_weight·KL) of logits x @ weight^T, chunked (see the module doc).
 
     x (N, H); weight (V, H); target (N,) token ids (always needed: accuracy is counted against them);
     token_weight (N,); teacher_logits (N, V) (needed when kl_weight > 0; never gets a gradient). Rows may be views
-    into larger tensors: nothing of size (N, V) is copied.
+    into larger tensors: nothing of size (N, V) is copied. argmax: also return every row's top prediction (a
+    caller scoring against other targets than `target` needs no second pass over the logits).
     """
     N, V = x.shape[0], weight.shape[0]
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -151,8 +163,10 @@ def linear_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tok
     teacher_logits = teacher_logits.detach() if teacher_logits is not None else None
     args = (x, weight, target, token_weight.detach(), teacher_logits, float(ce_weight), float(kl_weight),
             int(max_rank), int(chunk_rows))
+    top = None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        loss, ce, kl, hits = _LinearLoss.apply(*args)
+        loss, ce, kl, hits, *top = _LinearLoss.apply(*args, bool(argmax))
+        top = top[0] if top else None
     else:
-        loss, ce, kl, hits, _, _ = _chunks(*args, grads=False)
-    return LinearLossOut(loss=loss, ce=ce, kl=kl, hits=hits)
+        loss, ce, kl, hits, _, _, top = _chunks(*args, grads=False, want_argmax=bool(argmax))
+    return LinearLossOut(loss=loss, ce=ce, kl=kl, hits=hits, argmax=top)

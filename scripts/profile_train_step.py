@@ -1,13 +1,16 @@
-"""Where an EAGLE training step's time goes: the trainer's own pieces on the trainer's own batches, each phase timed.
+"""Where an EAGLE or DFlash training step's time goes: the trainer's own pieces on its own batches, each phase timed.
 
     python scripts/profile_train_step.py --verifier tiny-micro --data.source=runs/peers-tiny-micro/docs.jsonl
     python scripts/profile_train_step.py ... --features=offline --feature_cache=runs/peers-tiny-micro/draftheads-cache
     python scripts/profile_train_step.py ... --ops 25          # also torch.profiler's top ops by self CPU time
     python scripts/profile_train_step.py ... --against aa13174 --rounds 3   # before / after, side by side
+    python scripts/profile_train_step.py --trainer dflash --verifier tiny-code --dflash.block_size=16 \
+        --data.source=runs/bench-dflash-d4-2000-s1/selfdistill.jsonl --steps 2    # train/dflash.py's step
 
 Defaults are the peer bench's settings for our trainer (configs/eagle3-tiny.yaml with 8 packed rows of 256 tokens,
-7 TTT steps, fp32, document masks on); any trainer option is passed through to the config. The step is the one
-train/eagle.py runs (features, the drafter's loss, backward, TrainLoop's guard, clipping and AdamW), split into
+7 TTT steps, fp32, document masks on); `--trainer dflash`: configs/dflash-tiny.yaml with the same rows (its 128
+anchors per row). Any trainer option is passed through to the config. The step is the one train/eagle.py (or
+train/dflash.py) runs (features, the drafter's loss, backward, TrainLoop's guard, clipping and AdamW), split into
 phases: data (the loader: collation, cached-feature reads), features (the verifier forward online; offline only
 the cast of the cached tensors), forward (TTT unroll + losses), backward, update (clip + optimizer + the finite
 check), sync (the one host sync per optimizer step). Each phase's CPU time (process time: robust to a loaded
@@ -57,7 +60,10 @@ class Phases:
         self._t = (c, w)
 
 
-def build(argv: list[str]):
+DFLASH_BENCH = ["--train.batch_size=8", "--data.seq_len=256", "--train.mixed_precision=no", "--wandb.enabled=false"]
+
+
+def build(argv: list[str], trainer: str = "eagle"):
     from draftheads.models.eagle import EagleTrainModule, build_drafter
     from draftheads.train.config import parse_config
     from draftheads.train.eagle import EagleRunConfig, draft_vocab_counts
@@ -66,12 +72,25 @@ def build(argv: list[str]):
     from draftheads.train.optim import build_optimizer
     from draftheads.train.placement import load_verifier
 
-    cfg = parse_config(EagleRunConfig, ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), *BENCH, *argv])
+    if trainer == "dflash":
+        from draftheads.train.dflash import DFlashRunConfig
+
+        cfg = parse_config(DFlashRunConfig, ["--config", str(ROOT / "configs/dflash-tiny.yaml"), *DFLASH_BENCH, *argv])
+    else:
+        cfg = parse_config(EagleRunConfig, ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), *BENCH, *argv])
     torch.manual_seed(cfg.train.seed)
     verifier, tokenizer = load_verifier(cfg, torch.device("cpu"))
     train_dl, _ = get_dataloaders(cfg, tokenizer)
-    counts = draft_vocab_counts(train_dl.dataset, verifier.vocab_size)
-    model = EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts=counts)).train()
+    if trainer == "dflash":
+        from draftheads.models.dflash import DFlashTrainModule
+        from draftheads.models.dflash import build_drafter as build_dflash
+
+        counts = (draft_vocab_counts(train_dl.dataset, verifier.vocab_size)
+                  if cfg.dflash.draft_vocab_size is not None else None)
+        model = DFlashTrainModule(build_dflash(verifier, cfg.dflash, token_counts=counts)).train()
+    else:
+        counts = draft_vocab_counts(train_dl.dataset, verifier.vocab_size)
+        model = EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts=counts)).train()
     optimizer = build_optimizer(model, cfg)
     features = feature_source(cfg, verifier, layer_ids=model.drafter.feature_layers)
     return cfg, verifier, train_dl, model, optimizer, features
@@ -79,7 +98,9 @@ def build(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Other options go to the trainer's config (train/eagle.py).")
+                                     epilog="Other options go to the trainer's config (train/eagle.py or "
+                                            "train/dflash.py).")
+    parser.add_argument("--trainer", choices=("eagle", "dflash"), default="eagle", help="whose step to time")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -94,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     from draftheads.train.loop import all_finite
 
     try:
-        cfg, verifier, train_dl, model, optimizer, features = build(rest)
-    except ValueError as err:  # ConfigError, VerifierError, EagleError, DataError: options that do not fit
+        cfg, verifier, train_dl, model, optimizer, features = build(rest, args.trainer)
+    except ValueError as err:  # ConfigError, VerifierError, EagleError, DFlashError, DataError: options that do not fit
         raise SystemExit(f"[profile] {err}") from None
     params = [p for p in model.parameters() if p.requires_grad]
     phases, tokens, done = Phases(), 0, 0
@@ -105,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         nonlocal ok
         feats = features(batch)
         phases.mark("features")
-        out = model(batch["input_ids"], feats, batch["loss_mask"], batch.get("position_ids"))
+        out = model(batch["input_ids"], feats, batch["loss_mask"], position_ids=batch.get("position_ids"))
         phases.mark("forward")
         out.loss.backward()
         phases.mark("backward")
@@ -138,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
             phases.start()
     cpu, wall = sum(phases.cpu.values()), sum(phases.wall.values())
     print(f"[profile] {cfg.verifier}, features {cfg.features}, B={cfg.train.batch_size} T={cfg.data.seq_len}, "
-          f"TTT {cfg.eagle.ttt_steps}, {torch.get_num_threads()} thread(s), {args.steps} steps, {tokens} tokens")
+          + (f"block {model.drafter.block_size}, {cfg.dflash.num_anchors} anchors" if args.trainer == "dflash"
+             else f"TTT {cfg.eagle.ttt_steps}")
+          + f", {torch.get_num_threads()} thread(s), {args.steps} steps, {tokens} tokens")
     for name in phases.cpu:
         print(f"  {name:9s} cpu {1e3 * phases.cpu[name] / args.steps:8.1f} ms/step ({phases.cpu[name] / cpu:6.1%})"
               f"   wall {1e3 * phases.wall[name] / args.steps:8.1f} ms/step")
@@ -168,8 +191,8 @@ def against(args, rest: list[str]) -> int:
         shutil.copytree(tree / "draftheads", package)  # the package's rooms are top-level folders (pyproject.toml)
         for room in ("data", "eval", "models", "train"):
             (package / room).symlink_to(tree / room)
-        common = [sys.executable, str(Path(__file__).resolve()), "--steps", str(args.steps), "--warmup",
-                  str(args.warmup), "--threads", str(args.threads), *rest]
+        common = [sys.executable, str(Path(__file__).resolve()), "--trainer", args.trainer, "--steps", str(args.steps),
+                  "--warmup", str(args.warmup), "--threads", str(args.threads), *rest]
         times: dict[str, list[float]] = {args.against: [], "this tree": []}
         for r in range(args.rounds):
             sides = [args.against, "this tree"] if r % 2 == 0 else ["this tree", args.against]

@@ -13,11 +13,11 @@ bidirectional (sliding-window layers: causal within the window). After the final
 block position k (1 <= k < N) proposes x_{p+k}: N-1 draft tokens, verified as a chain (+ the bonus token). With
 `draft_vocab_size` set (not z-lab's), the drafter's own trained lm_head over a draft vocabulary does instead.
 
-Training (models/dflash/blocks.py, losses.py): A random anchors per row at loss-masked positions, all blocks in
-one forward over the row's whole context with the anchored block mask (a block sees the context strictly before its
-anchor and itself, never another block); position k learns x_{a+k} (or the verifier's greedy token there) with
-cross-entropy (loss: kl, KL against the verifier's distribution) weighted exp(-(k-1)/gamma), gamma = 7 for N = 16,
-4 for N = 8 (1 + 3N/8 in general).
+Training (models/dflash/blocks.py, losses.py): A random anchors per row at loss-masked positions, all blocks in one
+forward over the row's whole context with the anchored block mask (a block sees the context strictly before its
+anchor and itself, never another block; on a CPU scored block by block, not as one dense mask); position k learns
+x_{a+k} (or the verifier's greedy token there) with cross-entropy (loss: kl, KL against the verifier's distribution)
+weighted exp(-(k-1)/gamma), gamma = 7 for N = 16, 4 for N = 8 (1 + 3N/8 in general).
 
 Parameter names and `forward` follow z-lab's `DFlashDraftModel` (`dflash` 0.1.0), so weights move between the two
 unchanged; the engine API is in drafter.py's docstring. Export / load: models/export.py.
@@ -25,8 +25,10 @@ unchanged; the engine API is in drafter.py's docstring. Export / load: models/ex
 
 from draftheads.models.dflash.blocks import (  # noqa: F401
     anchored_block_mask,
+    anchored_context_mask,
     block_inputs,
     block_targets,
+    own_block_mask,
     sample_anchors,
 )
 from draftheads.models.dflash.config import (  # noqa: F401

@@ -78,12 +78,11 @@ def block_targets(tokens: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.
     return targets, trained
 
 
-def anchored_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int,
-                        sliding_window: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """(B, A*N, T + A*N) bool, True = attend: queries are the blocks' tokens, keys [context 0..T-1 | blocks]; see
-    the module docstring. With `sliding_window` (sliding layers): context keys also within the window of the query's
-    position, and the block causal within the window. With position_ids (packed rows): context keys of the anchor's
-    document only."""
+def anchored_context_mask(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int,
+                          sliding_window: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, A*N, T) bool, True = attend: which context keys 0..T-1 each block token sees (the context part of
+    `anchored_block_mask`): those strictly before its anchor; with `sliding_window`, also within the window of the
+    query's position; with position_ids (packed rows), in the anchor's document only. An invalid block sees none."""
     B, A = anchors.shape
     N, T = block_size, context_length
     dev = anchors.device
@@ -94,12 +93,32 @@ def anchored_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_leng
     if position_ids is not None:
         docs = document_ids(position_ids)  # (B, T)
         context = context & (docs[:, None, :] == docs.gather(1, anchor_of_query)[:, :, None])
-    q_block = torch.arange(A * N, device=dev) // N
-    q_offset = torch.arange(A * N, device=dev) % N
-    own = q_block[:, None] == q_block[None, :]  # (A*N, A*N)
     if sliding_window is not None:
-        q_pos = anchor_of_query + q_offset  # (B, A*N)
+        q_pos = anchor_of_query + torch.arange(A * N, device=dev) % N  # (B, A*N)
         context = context & (q_pos[:, :, None] - s[None, None, :] < sliding_window)
-        delta = q_offset[:, None] - q_offset[None, :]
-        own = own & (delta >= 0) & (delta < sliding_window)
-    return torch.cat([context, own.expand(B, A * N, A * N)], dim=-1)
+    return context
+
+
+def own_block_mask(block_size: int, sliding_window: int | None = None, device=None) -> torch.Tensor:
+    """(N, N) bool: which tokens of its own block a block token sees: all of them, or with `sliding_window` the
+    ones at offsets 0 .. window-1 before it (causal within the window)."""
+    i = torch.arange(block_size, device=device)
+    own = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+    if sliding_window is not None:
+        delta = i[:, None] - i[None, :]
+        own = (delta >= 0) & (delta < sliding_window)
+    return own
+
+
+def anchored_block_mask(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int,
+                        sliding_window: int | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, A*N, T + A*N) bool, True = attend: queries are the blocks' tokens, keys [context 0..T-1 | blocks]; see
+    the module docstring. With `sliding_window` (sliding layers): context keys also within the window of the query's
+    position, and the block causal within the window. With position_ids (packed rows): context keys of the anchor's
+    document only. The dense form of `anchored_context_mask` beside `own_block_mask` on the block diagonal."""
+    B, A = anchors.shape
+    N = block_size
+    context = anchored_context_mask(anchors, valid, context_length, N, sliding_window, position_ids)
+    own = own_block_mask(N, sliding_window, anchors.device)
+    diagonal = torch.block_diag(*([own] * A)) if A else own.new_zeros(0, 0)  # (A*N, A*N)
+    return torch.cat([context, diagonal.expand(B, A * N, A * N)], dim=-1)

@@ -51,7 +51,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftheads.data.documents import same_document
-from draftheads.models.dflash.blocks import anchored_block_mask, block_inputs, block_targets, sample_anchors
+from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_context_mask, block_inputs, block_targets,
+                                             own_block_mask, sample_anchors)
 from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.losses import dflash_loss
@@ -289,23 +290,42 @@ class DFlashDrafter(nn.Module):
 
     # ---- training ------------------------------------------------------------------------------------------------
     def anchored_hidden(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, anchors: torch.Tensor,
-                        valid: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                        valid: torch.Tensor, position_ids: torch.Tensor | None = None,
+                        blockwise: bool | None = None) -> torch.Tensor:
         """Every anchored block of every row in one forward: input_ids (B, T), target_hidden (B, T, L*H) (the
         whole row's context), anchors / valid (B, A). Block j of row b reads [x_a, MASK x (N-1)] at positions
         a .. a+N-1 (a = anchors[b, j]), sees the context strictly before a and its own block, no other block.
         position_ids (B, T) of packed rows (restarting per document): the context at its document positions, a
         block at its anchor's, attending inside the anchor's document only (models/dflash/blocks.py).
-        Returns the final-normed hidden (B, A, N, H)."""
+        Returns the final-normed hidden (B, A, N, H).
+
+        blockwise (None: on a CPU): each block token scores the context and its own block only
+        (`Attention.attend_blocks`), T + N keys instead of the dense mask's T + A*N, most of which it hides (at block
+        16 and 128 anchors, 9x fewer scores; the attention was half of a CPU step). It holds its (B, heads, A*N, T)
+        scores for the backward, where SDPA with the dense mask (False; on CUDA) holds only the mask."""
         B, T = input_ids.shape
+        if blockwise is None:
+            blockwise = input_ids.device.type == "cpu"
         A, N = anchors.shape[1], self.cfg.block_size
         ids, positions = block_inputs(input_ids, anchors, valid, N, self.cfg.mask_token_id,
                                       position_ids)  # (B, A*N) each
         context_positions = (torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None
                              else position_ids.long())
-        masks = {kind: anchored_block_mask(anchors, valid, T, N, window, position_ids)[:, None]
+        if not blockwise:  # the dense mask over [context | every block]: SDPA's kernels, most keys hidden
+            masks = {kind: anchored_block_mask(anchors, valid, T, N, window, position_ids)[:, None]
+                     for kind, window in self._mask_kinds()}
+            hidden = self(torch.cat([context_positions, positions], 1), masks, self.embed(ids), target_hidden)
+            return hidden.view(B, A, N, -1)
+        masks = {kind: (anchored_context_mask(anchors, valid, T, N, window, position_ids)[:, None],
+                        own_block_mask(N, window, input_ids.device))
                  for kind, window in self._mask_kinds()}
-        hidden = self(torch.cat([context_positions, positions], 1), masks, self.embed(ids), target_hidden)
-        return hidden.view(B, A, N, -1)
+        ctx_kv = self.context_kv(target_hidden, context_positions)
+
+        def attend(i, q, k, v):
+            attn = self.layers[i].self_attn
+            return attn.attend_blocks(q, ctx_kv[i], k, v, *masks[attn.layer_type])
+
+        return self.block(self.embed(ids), positions, attend).view(B, A, N, -1)
 
     def _mask_kinds(self):
         kinds = {}
@@ -331,6 +351,7 @@ class DFlashDrafter(nn.Module):
         over K = N-1 positions)."""
         cfg = self.cfg
         N = cfg.block_size
+        B, T = input_ids.shape
         if len(features.layers) != len(cfg.target_layer_ids):
             raise DFlashError(f"DFlash needs the verifier features of layers {self.feature_layers} (the outputs of "
                               f"target layers {cfg.target_layer_ids}); got {len(features.layers)} layer tensors")
@@ -341,8 +362,9 @@ class DFlashDrafter(nn.Module):
         anchors, valid = anchors
         hidden = self.anchored_hidden(input_ids, target_hidden, anchors, valid, position_ids)[:, :, 1:]
         data_targets, trained = block_targets(input_ids, loss_mask, anchors, valid, N, position_ids)  # (B, A, N-1)
-        greedy_targets = torch.stack([self._teacher_at(features, anchors, k).argmax(-1) for k in range(N - 1)],
-                                     -1)  # (B, A, N-1)
+        greedy = self._greedy_tokens(features)  # (B, T): the verifier's next token at every position, once
+        index = anchors[:, :, None] + torch.arange(N - 1, device=anchors.device)  # (B, A, N-1): anchor + k
+        greedy_targets = greedy.gather(1, index.clamp(max=T - 1).view(B, -1)).view_as(index)
         targets = data_targets if cfg.targets == "data" else greedy_targets
         teacher = (lambda k: self._teacher_at(features, anchors, k)) if cfg.loss == "kl" else None
         lm_weight, trained_here = self._need_verifier().lm_head.weight, trained
@@ -354,13 +376,25 @@ class DFlashDrafter(nn.Module):
             if teacher is not None:  # the verifier's distribution over the draft vocabulary's columns
                 columns = self.draft_token_ids()
                 teacher = (lambda k: self._teacher_at(features, anchors, k)[..., columns])
-        loss, step_losses = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma, teacher)
-        with torch.no_grad():
-            K = N - 1
-            correct = torch.stack([self.logits(hidden[:, :, k]).argmax(-1) == greedy_targets[:, :, k]
-                                   for k in range(K)])  # (K, B, A); one position's logits at a time
+        loss, step_losses, drafted = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma, teacher)
+        with torch.no_grad():  # the loss's own argmaxes: a draft id with an own lm_head, its verifier id here
+            drafted = self.draft_token_ids()[drafted] if self.own_lm_head else drafted
+            correct = (drafted == greedy_targets).permute(2, 0, 1)  # (N-1, B, A)
             counts = step_counts(correct, trained.permute(2, 0, 1))  # scored where loss_mask is 1
         return EagleOutput(loss=loss, step_losses=step_losses, counts=counts)
+
+    @torch.no_grad()
+    def _greedy_tokens(self, features) -> torch.Tensor:
+        """(B, T): the verifier's greedy next token at every position, from features.logits or lm_head(final), a
+        few positions' logits at a time."""
+        if features.logits is not None:
+            return features.logits.argmax(-1)
+        final = features.final  # (B, T, H)
+        flat = final.reshape(-1, final.shape[-1])
+        lm_head = self._need_verifier().lm_head
+        step = max(1, (1 << 26) // lm_head.weight.shape[0])  # (step, V) fp32 logits: 256 MB at most
+        out = torch.cat([lm_head(flat[i:i + step]).argmax(-1) for i in range(0, flat.shape[0], step)])
+        return out.view(final.shape[:2])
 
     @torch.no_grad()
     def _teacher_at(self, features, anchors: torch.Tensor, k: int) -> torch.Tensor:

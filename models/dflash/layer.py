@@ -115,6 +115,32 @@ class Attention(nn.Module):
         return out.transpose(1, 2).reshape(B, N, -1)
 
 
+    def attend_blocks(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
+                      v: torch.Tensor, context_mask: torch.Tensor, own_mask: torch.Tensor) -> torch.Tensor:
+        """Training's attention for A blocks of N tokens side by side, the anchored block mask's without scoring
+        the (A-1)*N keys of other blocks that it hides: each block token attends to the context keys
+        `context_mask` allows and to its own block's keys `own_mask` allows, in one softmax over both.
+        q (B, nh, A*N, d); context_kv (B, nkv, T, d) each; k/v (B, nkv, A*N, d) the blocks'; context_mask
+        (B, 1, A*N, T) bool; own_mask (N, N) bool (True = attend). -> (B, A*N, nh*d), equal to `attend` with
+        `anchored_block_mask` (to float rounding) at T + N keys per query instead of T + A*N."""
+        groups = self.num_heads // self.num_kv_heads
+        kc, vc = context_kv
+        if groups > 1:
+            kc, vc, k, v = (t.repeat_interleave(groups, dim=1) for t in (kc, vc, k, v))
+        B, nh, AN, d = q.shape
+        N = own_mask.shape[0]
+        A, T = AN // N, kc.shape[2]
+        hide = torch.finfo(torch.float32).min  # a row always keeps its own token (own_mask's diagonal)
+        q = q * self.scaling  # scaled before the products: (A*N, d) multiplications, not (A*N, T + N)
+        scores_context = torch.matmul(q, kc.transpose(-1, -2)).float().masked_fill(~context_mask, hide)
+        qb, kb = q.view(B, nh, A, N, d), k.reshape(B, nh, A, N, d)
+        scores_own = torch.matmul(qb, kb.transpose(-1, -2)).float().masked_fill(~own_mask, hide)
+        p = torch.softmax(torch.cat([scores_context.view(B, nh, A, N, T), scores_own], dim=-1), dim=-1).to(q.dtype)
+        out = (torch.matmul(p[..., :T].reshape(B, nh, AN, T), vc)
+               + torch.matmul(p[..., T:], v.reshape(B, nh, A, N, d)).view(B, nh, AN, d))
+        return out.transpose(1, 2).reshape(B, AN, -1)
+
+
 #: attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d) of the block's own tokens) -> (B, N, nh*d): the caller
 #: puts the context's keys/values (however it keeps them) in front of the block's and runs the attention.
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

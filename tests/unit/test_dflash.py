@@ -169,6 +169,34 @@ def test_anchored_blocks_equal_blocks_drafted_alone(verifier):
             assert torch.allclose(trained[0, j], alone[0], atol=1e-5), f"block at anchor {a}"
 
 
+@pytest.mark.filterwarnings("ignore::draftheads.models.dflash.DFlashWarning")  # window 3 < block 4: on purpose
+@pytest.mark.parametrize("window", [None, 3])
+def test_blockwise_attention_equals_the_dense_mask(verifier, window):
+    """Training on a CPU scores each block token against the context and its own block only
+    (`Attention.attend_blocks`); SDPA over the dense anchored mask (what CUDA runs) gives the same hidden states and
+    gradients: packed rows (two documents), a padding block, a sliding layer beside a full one."""
+    layers = ({} if window is None
+              else {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window})
+    drafter = make(verifier, **layers)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 64, (2, 14), generator=g)
+    position_ids = torch.cat([torch.arange(8), torch.arange(6)]).expand(2, 14)  # two documents per row
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    ctx = torch.cat(feats.layers, -1)
+    anchors, valid = sample_anchors(torch.ones(2, 14, dtype=torch.long), 5, generator=g)
+    valid[1, -1] = False
+    results = []
+    for blockwise in (True, False):
+        drafter.zero_grad()
+        hidden = drafter.anchored_hidden(ids, ctx, anchors, valid, position_ids, blockwise=blockwise)
+        (hidden * torch.linspace(-1, 1, hidden.shape[-1])).sum().backward()
+        results.append((hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}))
+    (fast, fast_grads), (dense, dense_grads) = results
+    torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-5)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(fast_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
 def test_cache_crop_and_engine_mask(verifier):
     drafter = make(verifier)
     cache = DFlashCache(2)

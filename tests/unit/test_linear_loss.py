@@ -63,6 +63,26 @@ def test_frozen_weight_no_grad_and_eval_path():
     assert torch.equal(again.loss, out.loss.detach()) and not again.loss.requires_grad
 
 
+@pytest.mark.parametrize("max_rank", [0, 1, 3])
+def test_argmax_is_every_rows_top_prediction(max_rank):
+    """argmax=True hands back each row's top prediction, weighted or not, with and without gradients, chunked; the
+    loss and hits stay what they were."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 4, generator=g, requires_grad=True)
+    weight = torch.randn(9, 4, generator=g, requires_grad=True)
+    target = torch.randint(0, 9, (11,), generator=g)
+    w = torch.rand(11, generator=g) * (torch.arange(11) % 3 > 0)  # a third of the rows weigh nothing
+    plain = linear_loss(x, weight, target, w, max_rank=max_rank, chunk_rows=4)
+    out = linear_loss(x, weight, target, w, max_rank=max_rank, chunk_rows=4, argmax=True)
+    expected = (x @ weight.T).argmax(-1)
+    assert plain.argmax is None and torch.equal(out.argmax, expected)
+    assert torch.equal(out.loss, plain.loss) and torch.equal(out.hits, plain.hits)
+    out.loss.backward()
+    assert x.grad is not None and weight.grad is not None
+    with torch.no_grad():
+        assert torch.equal(linear_loss(x, weight, target, w, max_rank=max_rank, argmax=True).argmax, expected)
+
+
 def test_autocast_bf16_is_close_to_fp32():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(40, 16, generator=g, requires_grad=True)
