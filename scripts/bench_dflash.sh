@@ -28,7 +28,9 @@
 # Each drafter is trained once: a rerun reuses a label's folder when it holds that label's drafter trained with the
 # same settings and inputs (scripts/same_run.py asks the trainer's run record), and stops before anything trains,
 # naming what differs, when it holds another run (another DFLASH_SEED or DFLASH_STEPS in an old DFLASH_DIR); delete
-# the folder to retrain.
+# the folder to retrain. Each training checkpoints every DFLASH_SAVE_EVERY steps (default 200): a bench stopped
+# part-way (a closed terminal, the end of a session) continues its trainings from there when run again, not from
+# step 0 (how often a run checkpoints does not change its result, so a folder saved at other steps is reused).
 # DFLASH_JOBS=N trains up to N drafters at a time (one thread each; their logs in $DIR/<label>.log).
 set -euo pipefail
 EXTRA_WINDOWS=${DFLASH_EXTRA_WINDOWS:-}
@@ -59,6 +61,9 @@ DATA_PROMPTS=${DFLASH_DATA_PROMPTS:-800}  # stdlib functions continued for the t
 SEED=${DFLASH_SEED:-0}
 [[ $SEED =~ ^(0|[1-9][0-9]*)$ ]] || { echo "DFLASH_SEED: '$SEED': expected a non-negative integer (the trainers'" \
   "train.seed)" >&2; exit 2; }
+SAVE_EVERY=${DFLASH_SAVE_EVERY:-200}
+[[ $SAVE_EVERY =~ ^[1-9][0-9]*$ ]] || { echo "DFLASH_SAVE_EVERY: '$SAVE_EVERY': expected a positive integer (steps" \
+  "between checkpoints)" >&2; exit 2; }
 DIR=${DFLASH_DIR:-runs/bench-dflash}
 if [ -f "$DIR/selfdistill.jsonl" ] && held=$(wc -l < "$DIR/selfdistill.jsonl") && [ "$held" -ne "$DATA_PROMPTS" ]; then
   echo "$DIR/selfdistill.jsonl holds $held rows, not DFLASH_DATA_PROMPTS=$DATA_PROMPTS:" \
@@ -82,7 +87,8 @@ mkdir -p "$DIR"
 [ -f "$DIR/selfdistill.jsonl" ] || PYTHONPATH=. python scripts/selfdistill_data.py --verifier "$VERIFIER" \
   --out "$DIR/selfdistill.jsonl" --num-prompts "$DATA_PROMPTS"
 COMMON=(--verifier "$VERIFIER" --wandb.enabled=false --train.max_steps="$STEPS" --train.eval_every="$STEPS"
-        --train.save_every="$STEPS" --train.warmup_steps="$WARMUP" --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
+        --train.save_every="$(( SAVE_EVERY < STEPS ? SAVE_EVERY : STEPS ))" --train.warmup_steps="$WARMUP"
+        --train.mixed_precision=no --data.seq_len="$SEQ_LEN"
         --data.source="$DIR/selfdistill.jsonl" --data.eval_rows=8 --train.seed="$SEED")
 
 QUEUE=()  # label, overrides, command (quoted): what to train once every label has been checked

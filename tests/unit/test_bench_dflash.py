@@ -1,5 +1,5 @@
 """scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS, DFLASH_EXTRA_ANCHORS,
-DFLASH_EXTRA_VOCAB, DFLASH_DATA_PROMPTS or DFLASH_SEED, and a folder whose rows are not the number asked for, in one
+DFLASH_EXTRA_VOCAB, DFLASH_DATA_PROMPTS, DFLASH_SEED or DFLASH_SAVE_EVERY, and a folder whose rows are not the number asked for, in one
 line, before it sets anything up or trains anything."""
 
 import os
@@ -78,3 +78,9 @@ def test_rows_of_another_size_are_not_reused(tmp_path):
 def test_malformed_seed_is_refused_in_one_line(tmp_path, value):
     assert refusal(tmp_path, "DFLASH_SEED", value) == (
         f"DFLASH_SEED: '{value}': expected a non-negative integer (the trainers' train.seed)")
+
+
+@pytest.mark.parametrize("value", ["0", "2e2", "-200", "200 "])
+def test_malformed_save_every_is_refused_in_one_line(tmp_path, value):
+    assert refusal(tmp_path, "DFLASH_SAVE_EVERY", value) == (
+        f"DFLASH_SAVE_EVERY: '{value}': expected a positive integer (steps between checkpoints)")
