@@ -362,9 +362,9 @@ class DFlashDrafter(nn.Module):
         anchors, valid = anchors
         hidden = self.anchored_hidden(input_ids, target_hidden, anchors, valid, position_ids)[:, :, 1:]
         data_targets, trained = block_targets(input_ids, loss_mask, anchors, valid, N, position_ids)  # (B, A, N-1)
-        greedy = self._greedy_tokens(features)  # (B, T): the verifier's next token at every position, once
         index = anchors[:, :, None] + torch.arange(N - 1, device=anchors.device)  # (B, A, N-1): anchor + k
-        greedy_targets = greedy.gather(1, index.clamp(max=T - 1).view(B, -1)).view_as(index)
+        index = index.clamp(max=T - 1)  # past the row: not trained (block_targets), scored at the last position
+        greedy_targets = self._greedy_tokens(features, index.view(B, -1)).view_as(index)
         targets = data_targets if cfg.targets == "data" else greedy_targets
         teacher = (lambda k: self._teacher_at(features, anchors, k)) if cfg.loss == "kl" else None
         lm_weight, trained_here = self._need_verifier().lm_head.weight, trained
@@ -384,17 +384,22 @@ class DFlashDrafter(nn.Module):
         return EagleOutput(loss=loss, step_losses=step_losses, counts=counts)
 
     @torch.no_grad()
-    def _greedy_tokens(self, features) -> torch.Tensor:
-        """(B, T): the verifier's greedy next token at every position, from features.logits or lm_head(final), a
-        few positions' logits at a time."""
+    def _greedy_tokens(self, features, index: torch.Tensor) -> torch.Tensor:
+        """(B, M): the verifier's greedy next token at positions index (B, M), from features.logits or
+        lm_head(final), each distinct position once (the blocks of nearby anchors overlap) and a few positions'
+        logits at a time."""
         if features.logits is not None:
-            return features.logits.argmax(-1)
+            return features.logits.argmax(-1).gather(1, index)
         final = features.final  # (B, T, H)
-        flat = final.reshape(-1, final.shape[-1])
+        B, T, _ = final.shape
+        flat = (index + T * torch.arange(B, device=index.device)[:, None]).reshape(-1)  # into (B*T,)
+        positions, where = flat.unique(return_inverse=True)
+        rows = final.reshape(B * T, -1)
         lm_head = self._need_verifier().lm_head
         step = max(1, (1 << 26) // lm_head.weight.shape[0])  # (step, V) fp32 logits: 256 MB at most
-        out = torch.cat([lm_head(flat[i:i + step]).argmax(-1) for i in range(0, flat.shape[0], step)])
-        return out.view(final.shape[:2])
+        tokens = torch.cat([lm_head(rows[positions[i:i + step]]).argmax(-1)
+                            for i in range(0, positions.shape[0], step)])
+        return tokens[where].view_as(index)
 
     @torch.no_grad()
     def _teacher_at(self, features, anchors: torch.Tensor, k: int) -> torch.Tensor:

@@ -130,15 +130,16 @@ class Attention(nn.Module):
         B, nh, AN, d = q.shape
         N = own_mask.shape[0]
         A, T = AN // N, kc.shape[2]
-        hide = torch.finfo(torch.float32).min  # a row always keeps its own token (own_mask's diagonal)
+        acc = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 (fp64 for an fp64 drafter)
+        hide = torch.finfo(acc).min  # a row always keeps its own token (own_mask's diagonal)
         q = q * self.scaling  # scaled before the products: (A*N, d) multiplications, not (A*N, T + N)
-        scores_context = torch.matmul(q, kc.transpose(-1, -2)).float().masked_fill(~context_mask, hide)
+        scores_context = torch.matmul(q, kc.transpose(-1, -2)).to(acc).masked_fill(~context_mask, hide)
         qb, kb = q.view(B, nh, A, N, d), k.reshape(B, nh, A, N, d)
-        scores_own = torch.matmul(qb, kb.transpose(-1, -2)).float().masked_fill(~own_mask, hide)
+        scores_own = torch.matmul(qb, kb.transpose(-1, -2)).to(acc).masked_fill(~own_mask, hide)
         p = torch.softmax(torch.cat([scores_context.view(B, nh, A, N, T), scores_own], dim=-1), dim=-1).to(q.dtype)
         out = (torch.matmul(p[..., :T].reshape(B, nh, AN, T), vc)
                + torch.matmul(p[..., T:], v.reshape(B, nh, A, N, d)).view(B, nh, AN, d))
-        return out.transpose(1, 2).reshape(B, AN, -1)
+        return out.transpose(1, 2).reshape(B, AN, nh * d)
 
 
 #: attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d) of the block's own tokens) -> (B, N, nh*d): the caller
