@@ -61,9 +61,10 @@ def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows, grads,
             want_argmax=False):
-    """The shared loop: yields nothing, returns sums (and gradients when `grads`), and each row's argmax (or None)."""
+    """The shared loop: yields nothing, returns sums (and gradients when `grads`), and each row's argmax (an empty
+    tensor unless `want_argmax`)."""
     N = x.shape[0]
-    argmax = torch.empty(N, dtype=torch.long, device=x.device) if want_argmax else None
+    argmax = torch.empty(N if want_argmax else 0, dtype=torch.long, device=x.device)
     mm = _matmul_dtype(x, weight)
     acc = torch.promote_types(mm, torch.float32)  # softmax and sums: fp32 (fp64 when the inputs are)
     w_mm = weight.to(mm)
@@ -93,10 +94,10 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
                 kl_sum += (w_c * kl).sum()
                 total = total + kl_weight * kl
             loss += (w_c * total).sum()
-            if max_rank or argmax is not None:
+            if max_rank or want_argmax:
                 top = logits.topk(max_rank, dim=-1).indices if max_rank > 1 else logits.argmax(-1, keepdim=True)
                 hits += ((top[:, :max_rank] == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
-                if argmax is not None:
+                if want_argmax:
                     argmax[start:stop] = top[:, 0]
             if grad_x is None and grad_w is None:
                 continue
@@ -127,9 +128,6 @@ class _LinearLoss(torch.autograd.Function):
                                                              ce_weight, kl_weight, max_rank, chunk_rows, grads=True,
                                                              want_argmax=want_argmax)
         ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if grad_w is not None else None)
-        if argmax is None:
-            ctx.mark_non_differentiable(ce, kl, hits)
-            return loss, ce, kl, hits
         ctx.mark_non_differentiable(ce, kl, hits, argmax)
         return loss, ce, kl, hits, argmax
 
@@ -163,10 +161,8 @@ def linear_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tok
     teacher_logits = teacher_logits.detach() if teacher_logits is not None else None
     args = (x, weight, target, token_weight.detach(), teacher_logits, float(ce_weight), float(kl_weight),
             int(max_rank), int(chunk_rows))
-    top = None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        loss, ce, kl, hits, *top = _LinearLoss.apply(*args, bool(argmax))
-        top = top[0] if top else None
+        loss, ce, kl, hits, top = _LinearLoss.apply(*args, bool(argmax))
     else:
         loss, ce, kl, hits, _, _, top = _chunks(*args, grads=False, want_argmax=bool(argmax))
-    return LinearLossOut(loss=loss, ce=ce, kl=kl, hits=hits, argmax=top)
+    return LinearLossOut(loss=loss, ce=ce, kl=kl, hits=hits, argmax=top if argmax else None)

@@ -61,27 +61,26 @@ class Phases:
 
 
 DFLASH_BENCH = ["--train.batch_size=8", "--data.seq_len=256", "--train.mixed_precision=no", "--wandb.enabled=false"]
+#: each trainer's config and the bench settings laid over it
+SETTINGS = {"eagle": ("configs/eagle3-tiny.yaml", BENCH), "dflash": ("configs/dflash-tiny.yaml", DFLASH_BENCH)}
 
 
-def build(argv: list[str], trainer: str = "eagle"):
+def build(argv: list[str], name: str = "eagle"):
+    from draftheads.cli import trainer
     from draftheads.models.eagle import EagleTrainModule, build_drafter
     from draftheads.train.config import parse_config
-    from draftheads.train.eagle import EagleRunConfig, draft_vocab_counts
+    from draftheads.train.eagle import draft_vocab_counts
     from draftheads.train.features import feature_source
     from draftheads.train.loaders import get_dataloaders
     from draftheads.train.optim import build_optimizer
     from draftheads.train.placement import load_verifier
 
-    if trainer == "dflash":
-        from draftheads.train.dflash import DFlashRunConfig
-
-        cfg = parse_config(DFlashRunConfig, ["--config", str(ROOT / "configs/dflash-tiny.yaml"), *DFLASH_BENCH, *argv])
-    else:
-        cfg = parse_config(EagleRunConfig, ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), *BENCH, *argv])
+    config, bench = SETTINGS[name]
+    cfg = parse_config(trainer(name)[0], ["--config", str(ROOT / config), *bench, *argv])
     torch.manual_seed(cfg.train.seed)
     verifier, tokenizer = load_verifier(cfg, torch.device("cpu"))
     train_dl, _ = get_dataloaders(cfg, tokenizer)
-    if trainer == "dflash":
+    if name == "dflash":
         from draftheads.models.dflash import DFlashTrainModule
         from draftheads.models.dflash import build_drafter as build_dflash
 
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog="Other options go to the trainer's config (train/eagle.py or "
                                             "train/dflash.py).")
-    parser.add_argument("--trainer", choices=("eagle", "dflash"), default="eagle", help="whose step to time")
+    parser.add_argument("--trainer", choices=tuple(SETTINGS), default="eagle", help="whose step to time")
     parser.add_argument("--steps", type=int, default=6, help="timed optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")

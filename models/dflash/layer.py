@@ -114,7 +114,6 @@ class Attention(nn.Module):
         B, _, N, _ = out.shape
         return out.transpose(1, 2).reshape(B, N, -1)
 
-
     def attend_blocks(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
                       v: torch.Tensor, context_mask: torch.Tensor, own_mask: torch.Tensor) -> torch.Tensor:
         """Training's attention for A blocks of N tokens side by side, the anchored block mask's without scoring
