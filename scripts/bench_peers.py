@@ -5,7 +5,7 @@ runs this; run by hand:
 
     python scripts/bench_peers.py --verifier tiny-micro --out runs/peers-tiny-micro [--peers speculators specforge]
         [--rows 400] [--seq-len 256] [--epochs 1] [--batch 4] [--seed 0] [--prompts 16] [--max-new-tokens 64] [-k 3]
-        [--variant LABEL=FLAGS] [--reuse] [--docs docs/peers.md]
+        [--optimizer adamw|muon] [--variant LABEL=FLAGS] [--reuse] [--docs docs/peers.md]
 
 In order:
   1. our rows: --rows documents of about --seq-len tokens, pieces of the stdlib `drafter` files in a fixed shuffle
@@ -13,10 +13,10 @@ In order:
      the loss mask ours); every trainer gets exactly these tokens, --epochs times (ours packs the documents into
      rows of --seq-len);
   2. our drafter: `train/eagle.py` with configs/eagle3-tiny.yaml's settings (the verifier's layer ids, draft
-     vocabulary, 7 TTT steps, decay 0.8, AdamW), fp32, warm-up 5% then cosine to 0, features online (the verifier
-     inside each step) and, a second run, offline from our own feature cache; each `--variant LABEL=FLAGS` trains
-     one more online run with those config flags added (e.g. `--variant "stream packing=--data.packing=stream"`:
-     the side-by-side of one setting, same rows, steps and seed);
+     vocabulary, 7 TTT steps, decay 0.8, AdamW unless --optimizer muon), fp32, warm-up 5% then cosine to 0,
+     features online (the verifier inside each step) and, a second run, offline from our own feature cache; each
+     `--variant LABEL=FLAGS` trains one more online run with those config flags added (e.g.
+     `--variant "stream packing=--data.packing=stream"`: the side-by-side of one setting, same rows, steps and seed);
   3. the verifier's features, computed once from those rows, written in each peer's format (speculators:
      `hs_i.safetensors` [T, 4, H] + an Arrow dataset; SpecForge: one `.ckpt` per row) with OUR draft vocabulary map
      (d2t / t2d read back from our export) and our layer ids;
@@ -233,6 +233,7 @@ def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: st
            f"--verifier={args.verifier}", f"--output_dir={run_dir}", f"--data.source={out / 'docs.jsonl'}",
            f"--data.seq_len={args.seq_len}", f"--data.eval_rows={HELDOUT_DOCS}", f"--train.max_steps={steps}",
            f"--train.batch_size={args.batch}", f"--train.lr={LR}", f"--train.seed={args.seed}",
+           f"--train.optimizer={args.optimizer}",
            f"--train.warmup_steps={max(1, round(WARMUP * steps))}",
            "--train.min_lr_ratio=0.0", "--train.mixed_precision=no", "--train.save_every=0", "--train.eval_every=0",
            f"--eagle.layer_ids={json.dumps(layer_ids)}", f"--eagle.draft_vocab_size={vocab}",
@@ -266,6 +267,7 @@ def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: st
 def speculators_flags(args, data: Path, layer_ids, vocab: int, save: Path, logs: Path) -> list[str]:
     """speculators' `train` flags for the bench's run (scripts/peer_step_check.py builds its model from them)."""
     per_step = args.batch * args.seq_len
+    optimizer = getattr(args, "optimizer", "adamw")
     return ["--verifier-name-or-path", str(args.verifier_path), "--data-path", str(data),
             "--speculator-type", "eagle3", "--num-layers", "1", "--draft-arch", "llama",
             "--target-layer-ids", *map(str, layer_ids), "--draft-vocab-size", str(vocab),
@@ -275,7 +277,10 @@ def speculators_flags(args, data: Path, layer_ids, vocab: int, save: Path, logs:
             "--loss-implementation", "eager", "--num-workers", "0", "--hidden-states-dtype", "float32",
             "--total-seq-len", str(per_step),
             "--train-data-ratio", str((args.rows + 0.5) / (args.rows + SPECULATORS_VAL_ROWS)), "--ttt-steps", str(TTT),
-            "--ttt-step-loss-decay", str(DECAY), "--optimizer", "adamw", "--lr", str(LR), "--weight-decay", "0.0",
+            "--ttt-step-loss-decay", str(DECAY), "--optimizer", optimizer, "--lr", str(LR), "--weight-decay", "0.0",
+            # Muon (speculators' default optimizer) at --lr with AdamW's update size (match_rms_adamw, its default,
+            # as ours), no weight decay on its matrices as on ours (its default is 0.1)
+            *(["--muon-weight-decay", "0.0"] if optimizer == "muon" else []),
             "--scheduler-type", "cosine", "--scheduler-warmup-ratio", str(WARMUP), "--epochs", str(args.epochs),
             "--save-path", str(save), "--no-resume-from-checkpoint",
             "--log-dir", str(logs), "--seed", str(args.seed)]
@@ -408,6 +413,9 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch", type=int, default=4, help="rows (documents) per optimizer step, for every trainer")
     p.add_argument("--seed", type=int, default=0, help="every trainer's seed")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="ours and speculators': AdamW, or Muon on the drafter's hidden matrices (speculators' default) "
+                        "with AdamW for the rest; SpecForge 0.2.0 has AdamW only")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
                    help="one more run of ours (features online) with these config flags added, e.g. --variant "
                         "'stream packing=--data.packing=stream' (FLAGS split at spaces); repeatable")
@@ -419,6 +427,9 @@ def main(argv=None) -> int:
     p.add_argument("--docs", help="also write the table and the settings into this markdown file")
     p.add_argument("--no-offline", action="store_true", help="skip our trainer's offline-feature run")
     args = p.parse_args(argv)
+    if args.optimizer != "adamw" and "specforge" in args.peers:
+        p.error(f"--optimizer {args.optimizer}: SpecForge 0.2.0 trains with AdamW only; "
+                "add --peers speculators to leave it out")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -483,7 +494,7 @@ def main(argv=None) -> int:
     text = table(results, args.k)
     print(text)
     summary = {"verifier": args.verifier, "rows": len(rows), "tokens": tokens, "epochs": args.epochs,
-               "batch": args.batch, "seed": args.seed, "seq_len": args.seq_len,
+               "batch": args.batch, "seed": args.seed, "seq_len": args.seq_len, "optimizer": args.optimizer,
                "layer_ids": layer_ids, "draft_vocab_size": vocab, "k": args.k, "prompts": args.prompts,
                "max_new_tokens": args.max_new_tokens, "results": results}
     (out / "peers.json").write_text(json.dumps(summary, indent=1, default=str))
@@ -493,9 +504,12 @@ def main(argv=None) -> int:
 
 
 def write_docs(path: Path, summary: dict, text: str) -> None:
-    """Replace this verifier's section of the page (or add it)."""
-    marker = f"<!-- bench_peers {summary['verifier']} -->"
-    section = (f"{marker}\n### {summary['verifier']}\n\n{summary['rows']} rows (documents of at most "
+    """Replace this verifier's section of the page (or add it); a run with another optimizer than AdamW has a
+    section of its own."""
+    optimizer = summary.get("optimizer", "adamw")
+    name = summary["verifier"] + (f", {optimizer}" if optimizer != "adamw" else "")
+    marker = f"<!-- bench_peers {name} -->"
+    section = (f"{marker}\n### {name}\n\n{summary['rows']} rows (documents of at most "
                f"{summary['seq_len']} tokens), {summary['tokens']} tokens, {summary['epochs']} epoch{'s' * (summary['epochs'] != 1)}, "
                f"{summary['batch']} rows per optimizer step, seed {summary['seed']}; layer ids {summary['layer_ids']}, "
                f"draft vocabulary "
