@@ -267,7 +267,7 @@ def train_ours(args, out: Path, layer_ids, vocab: int, tokens: int, features: st
 def speculators_flags(args, data: Path, layer_ids, vocab: int, save: Path, logs: Path) -> list[str]:
     """speculators' `train` flags for the bench's run (scripts/peer_step_check.py builds its model from them)."""
     per_step = args.batch * args.seq_len
-    optimizer = getattr(args, "optimizer", "adamw")
+    optimizer = args.optimizer
     return ["--verifier-name-or-path", str(args.verifier_path), "--data-path", str(data),
             "--speculator-type", "eagle3", "--num-layers", "1", "--draft-arch", "llama",
             "--target-layer-ids", *map(str, layer_ids), "--draft-vocab-size", str(vocab),
@@ -506,8 +506,7 @@ def main(argv=None) -> int:
 def write_docs(path: Path, summary: dict, text: str) -> None:
     """Replace this verifier's section of the page (or add it); a run with another optimizer than AdamW has a
     section of its own."""
-    optimizer = summary.get("optimizer", "adamw")
-    name = summary["verifier"] + (f", {optimizer}" if optimizer != "adamw" else "")
+    name = summary["verifier"] + (f", {summary['optimizer']}" if summary["optimizer"] != "adamw" else "")
     marker = f"<!-- bench_peers {name} -->"
     section = (f"{marker}\n### {name}\n\n{summary['rows']} rows (documents of at most "
                f"{summary['seq_len']} tokens), {summary['tokens']} tokens, {summary['epochs']} epoch{'s' * (summary['epochs'] != 1)}, "

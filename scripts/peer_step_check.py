@@ -337,7 +337,7 @@ def main(argv=None) -> int:
 
     # the speculators side: one request, every case
     bench_args = SimpleNamespace(verifier_path=verifier_path, batch=len(rows), seq_len=args.seq_len, rows=len(rows),
-                                 epochs=1, seed=args.seed)
+                                 epochs=1, seed=args.seed, optimizer="adamw")
     raw = bench.write_speculators_data(out / "data-benched", documents, drafter.d2t.cpu(), drafter.t2d.cpu())
     flags = bench.speculators_flags(bench_args, raw, layer_ids, vocab, out / "speculators-save", out / "logs")
     cases = [{"name": "benched", "data": str(raw), "lm_head_trainable": False}]

@@ -47,7 +47,8 @@ def test_docs_section_is_replaced_in_place(bench, tmp_path):
     page = tmp_path / "peers.md"
     page.write_text("intro\n\n<!-- bench_peers a -->\nold\n<!-- bench_peers a -->\n\ntail\n")
     summary = {"verifier": "a", "rows": 8, "seq_len": 256, "tokens": 2000, "epochs": 1, "batch": 4, "seed": 0,
-               "layer_ids": [1, 2, 3], "draft_vocab_size": 512, "prompts": 16, "max_new_tokens": 64, "k": 3}
+               "layer_ids": [1, 2, 3], "draft_vocab_size": 512, "prompts": 16, "max_new_tokens": 64, "k": 3,
+               "optimizer": "adamw"}
     bench.write_docs(page, summary, "| table |")
     text = page.read_text()
     assert text.startswith("intro\n\n<!-- bench_peers a -->\n### a\n") and text.endswith("\n\ntail\n")
@@ -74,7 +75,8 @@ def test_optimizer_is_matched_for_ours_and_speculators(bench, tmp_path, capsys):
 def test_a_muon_run_has_its_own_docs_section(bench, tmp_path):
     page = tmp_path / "peers.md"
     summary = {"verifier": "a", "rows": 8, "seq_len": 256, "tokens": 2000, "epochs": 1, "batch": 4, "seed": 0,
-               "layer_ids": [1, 2, 3], "draft_vocab_size": 512, "prompts": 16, "max_new_tokens": 64, "k": 3}
+               "layer_ids": [1, 2, 3], "draft_vocab_size": 512, "prompts": 16, "max_new_tokens": 64, "k": 3,
+               "optimizer": "adamw"}
     bench.write_docs(page, summary, "| adamw |")
     bench.write_docs(page, {**summary, "optimizer": "muon"}, "| muon |")
     text = page.read_text()
