@@ -71,6 +71,10 @@ class EagleConfig:
     parallel_keep: tuple[float, float] = (0.7, 0.2)
     """parallel: (decay, floor): step k trains a random max(decay**k, floor) of the positions, nested over k
     (P-EAGLE's sampling, as in speculators: 0.7, 0.2); (1, 1) trains them all."""
+    align_topk: int | None = None
+    """EAGLE-3 token alignment (GRIFFIN's idea of token-alignable training): step k > 0 of a chain trains only where the
+    verifier's argmax was among the drafter's top `align_topk` at every earlier step of that chain, the chains a
+    decode would still be verifying (1: a chain at T = 0); null trains every step at every position."""
     fc_norm: bool = False
     """EAGLE 3.1: an RMS norm on each verifier layer's feature before fc (vLLM `fc_norm`)."""
     norm_output: bool = False
@@ -114,6 +118,11 @@ class EagleConfig:
             raise EagleError(f"eagle.parallel_keep={list(self.parallel_keep)}: expected [decay, floor], each in (0, 1]")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise EagleError(f"eagle.mask_token_id={self.mask_token_id}: expected a token id >= 0 or null")
+        if self.align_topk is not None and self.align_topk < 1:
+            raise EagleError(f"eagle.align_topk={self.align_topk}: expected a positive number of drafts or null")
+        if self.align_topk is not None and self.version != 3:
+            raise EagleError(f"eagle.align_topk={self.align_topk} is an EAGLE-3 option; eagle.version is "
+                             f"{self.version}")
         for key in ("parallel", "fc_norm", "norm_output", "freeze_lm_head"):
             if getattr(self, key) and self.version != 3:
                 raise EagleError(f"eagle.{key}=true is an EAGLE-3 option; eagle.version is {self.version}")

@@ -461,6 +461,7 @@ class Eagle3Drafter(EagleDrafter):
         zero = torch.zeros((), device=input_ids.device)
         step_losses, step_alpha = [], []
         kept = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # parallel: chains still trained
+        aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # align_topk: chains still verified
         for k, out in enumerate(outs):
             n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}, which exists
             if n <= 0:
@@ -473,6 +474,8 @@ class Eagle3Drafter(EagleDrafter):
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
                 kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
                 trained = trained & kept[:, :n]
+            if self.cfg.align_topk is not None:
+                trained = trained & aligned[:, :n]
             if fused:
                 per_position = soft_cross_entropy(logits, target_p[:, 1 + k:T - 1], target_mass[:, 1 + k:T - 1])
                 step_alpha.append(zero)  # unread: the step weights are fixed
@@ -485,6 +488,12 @@ class Eagle3Drafter(EagleDrafter):
                 draft = logits.max(-1).indices  # argmax (the first maximum), about 2x faster on a CPU
                 correct[k, :, :n] = self.to_target_ids(draft) == target_ids[:, 1 + k:T - 1]
                 valid[k, :, :n] = scored
+                if self.cfg.align_topk is not None:  # the chain from t goes on past step k iff the argmax is drafted
+                    hit = correct[k, :, :n]
+                    if self.cfg.align_topk > 1:
+                        top = logits.topk(min(self.cfg.align_topk, logits.shape[-1]), dim=-1).indices
+                        hit = (self.to_target_ids(top) == target_ids[:, 1 + k:T - 1, None]).any(-1)
+                    aligned[:, :n] &= hit
         weights = step_weights(self.cfg.step_weights, K, self.cfg.decay, torch.stack(step_alpha)).to(zero.device)
         loss = (weights * torch.stack(step_losses)).sum()
         step_losses = [x.detach() for x in step_losses]

@@ -1,0 +1,77 @@
+"""eagle.align_topk (GRIFFIN's token-alignable training): step k of a chain trains only where the verifier's argmax
+was among the drafter's top-k at every earlier step of that chain; checked against a slow reference built from the
+drafter's own unroll."""
+
+import pytest
+import torch
+
+from draftheads.models.draft_losses import masked_mean, token_loss
+from draftheads.models.eagle import EagleConfig, EagleError, build_drafter
+from draftheads.models.eagle.losses import draft_targets
+from draftheads.models.verifier import Verifier
+
+
+def reference_step_losses(drafter, ids, feats, loss_mask, topk):
+    """Each step's loss the slow way: per-position forward KL, positions kept by the chain's earlier top-k hits."""
+    outs = drafter.ttt_unroll(ids, drafter.project_features(torch.cat(feats.layers, -1)), None)
+    logp, target_ids, in_draft = draft_targets(drafter._target_logits(feats), drafter.d2t, drafter.t2d)
+    B, T = ids.shape
+    alive = torch.ones(B, T, dtype=torch.bool)
+    losses, survivors = [], []
+    for k, out in enumerate(outs):
+        n = T - 2 - k
+        logits = drafter.logits(out[:, :n])
+        _, trained = drafter.loss_positions(loss_mask, None, in_draft, k)
+        if topk is not None:
+            trained = trained & alive[:, :n]
+        per_position, _ = token_loss("forward_kl", logits, logp[:, 1 + k:T - 1])
+        losses.append(masked_mean(per_position, trained))
+        survivors.append(int(trained.sum()))
+        if topk is not None:
+            top = logits.topk(topk, dim=-1).indices
+            hit = torch.zeros(B, n, dtype=torch.bool)
+            for b in range(B):
+                for t in range(n):
+                    drafted = {int(drafter.to_target_ids(top[b, t, i])) for i in range(topk)}
+                    hit[b, t] = int(target_ids[b, 1 + k + t]) in drafted
+            alive[:, :n] &= hit
+    return torch.stack(losses), survivors
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_verifier_dirs):
+    verifier = Verifier.from_pretrained(tiny_verifier_dirs["llama"])
+    torch.manual_seed(0)
+    ids = torch.randint(3, verifier.vocab_size, (2, 14))
+    counts = torch.bincount(ids.flatten(), minlength=verifier.vocab_size) + torch.randint(0, 3, (verifier.vocab_size,))
+    return verifier, ids, counts
+
+
+@pytest.mark.parametrize("topk", [None, 1, 30])
+def test_aligned_step_losses_match_the_reference(setup, topk):
+    verifier, ids, counts = setup
+    torch.manual_seed(1)
+    drafter = build_drafter(verifier, EagleConfig(ttt_steps=3, draft_vocab_size=100), token_counts=counts)
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers, return_logits=True)
+    mask = torch.ones_like(ids)
+    # fit the drafter to this batch first, so that some chains survive the test at step 0 and some do not
+    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-2)
+    for _ in range(25):
+        optimizer.zero_grad()
+        drafter.train().training_loss(ids, feats, mask).loss.backward()
+        optimizer.step()
+    drafter.cfg.align_topk = topk
+    drafter.eval()
+    with torch.no_grad():
+        got = drafter.training_loss(ids, feats, mask).step_losses
+        want, survivors = reference_step_losses(drafter, ids, feats, mask, topk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if topk is not None:  # the test means something: step 1 keeps some positions and drops others
+        assert 0 < survivors[1] < survivors[0] - 1, survivors
+
+
+def test_align_topk_is_checked():
+    with pytest.raises(EagleError, match=r"eagle.align_topk=0: expected a positive number of drafts or null"):
+        EagleConfig(align_topk=0)
+    with pytest.raises(EagleError, match=r"eagle.align_topk=1 is an EAGLE-3 option; eagle.version is 1"):
+        EagleConfig(version=1, align_topk=1)
