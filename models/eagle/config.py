@@ -74,7 +74,8 @@ class EagleConfig:
     align_topk: int | None = None
     """EAGLE-3 token alignment (GRIFFIN's idea of token-alignable training): step k > 0 of a chain trains only where the
     verifier's argmax was among the drafter's top `align_topk` at every earlier step of that chain, the chains a
-    decode would still be verifying (1: a chain at T = 0); null trains every step at every position."""
+    decode would still be verifying (1: a chain at T = 0); null trains every step at every position. Training only:
+    held-out losses are over every position, as without it."""
     fc_norm: bool = False
     """EAGLE 3.1: an RMS norm on each verifier layer's feature before fc (vLLM `fc_norm`)."""
     norm_output: bool = False
