@@ -154,6 +154,13 @@ for label in "${LABELS[@]}"; do  # a parallel training that failed: name its log
   [ -f "$DIR/$label/drafter/config.json" ] || { echo "training $label failed: see $DIR/$label.log" >&2; exit 1; }
 done
 
+# Each run decodes into $DIR/bench; the previous run's decode there is kept beside it (bench.<its UTC time>), not
+# replaced: a rerun over a folder (more drafters, another machine) leaves the earlier figures readable.
+if [ -e "$DIR/bench" ]; then
+  kept="$DIR/bench.$(date -u -r "$DIR/bench" +%Y%m%dT%H%M%SZ)"
+  mv -T "$DIR/bench" "$kept"
+  echo "== the previous decode run in $DIR/bench is kept as $kept"
+fi
 # EAGLE-3 decodes twice: as a chain of 4 (like with like: DFlash verifies a chain too) and as the dynamic tree
 # that gives it its best tau on tiny-code (docs/benchmarks.md: d7 k3 n16)
 python scripts/bench_decode.py --verifier "$VERIFIER" --out "$DIR/bench" --num-prompts "$PROMPTS" \
