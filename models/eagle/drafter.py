@@ -461,6 +461,7 @@ class Eagle3Drafter(EagleDrafter):
         zero = torch.zeros((), device=input_ids.device)
         step_losses, step_alpha = [], []
         kept = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # parallel: chains still trained
+        align = self.cfg.align_topk is not None and self.training  # a training mask: held-out losses stay comparable
         aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # align_topk: chains still verified
         for k, out in enumerate(outs):
             n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}, which exists
@@ -474,7 +475,7 @@ class Eagle3Drafter(EagleDrafter):
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
                 kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)
                 trained = trained & kept[:, :n]
-            if self.cfg.align_topk is not None and self.training:  # a training mask: held-out losses stay comparable
+            if align:
                 trained = trained & aligned[:, :n]
             if fused:
                 per_position = soft_cross_entropy(logits, target_p[:, 1 + k:T - 1], target_mass[:, 1 + k:T - 1])
@@ -488,7 +489,7 @@ class Eagle3Drafter(EagleDrafter):
                 draft = logits.max(-1).indices  # argmax (the first maximum), about 2x faster on a CPU
                 correct[k, :, :n] = self.to_target_ids(draft) == target_ids[:, 1 + k:T - 1]
                 valid[k, :, :n] = scored
-                if self.cfg.align_topk is not None and self.training:  # chain t goes on iff its argmax is drafted
+                if align:  # the chain from t goes on past step k iff the verifier's argmax is drafted
                     hit = correct[k, :, :n]
                     if self.cfg.align_topk > 1:
                         top = logits.topk(min(self.cfg.align_topk, logits.shape[-1]), dim=-1).indices
