@@ -312,17 +312,20 @@ MOVED = ("`draftheads cache` checks a cache; `draftheads dump-features` fills on
          "`accelerate launch -m draftheads.train.dump_features ...` for several processes)")
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftheads cache", description=__doc__.split("\n\n")[0], epilog=MOVED)
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("verify", help="check every shard of a cache: size, header, sha256")
+    v.add_argument("folder")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["dump"]:
         print(f"error: {MOVED}", file=sys.stderr)
         return 2
-    parser = argparse.ArgumentParser(prog="draftheads cache", description=__doc__.split("\n\n")[0],
-                                     epilog=MOVED)
-    sub = parser.add_subparsers(dest="command", required=True)
-    v = sub.add_parser("verify", help="check every shard of a cache: size, header, sha256")
-    v.add_argument("folder")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         index = read_index(args.folder)
         verify_shards(args.folder, index, check_hash=True)

@@ -271,19 +271,24 @@ def _config_class(method: str | None, argv: list[str]):
     return EagleRunConfig
 
 
+def parser() -> argparse.ArgumentParser:
+    """The verb's own flags; the rest of the command line is the trainer's config (`parse_config`)."""
+    p = argparse.ArgumentParser(prog="draftheads dump-features", description=__doc__.split("\n\n")[0],
+                                epilog="Other arguments: --config FILE.yaml and the trainer's --key=value "
+                                       "overrides (the run the cache is for).")
+    p.add_argument("--method", choices=METHODS, help="default: what the config trains")
+    p.add_argument("--out", help="cache folder (default: the config's feature_cache)")
+    p.add_argument("--dtype", choices=sorted(FEATURE_DTYPES), default="bfloat16", help="feature dtype on disk")
+    p.add_argument("--rows-per-shard", "--rows_per_shard", dest="rows_per_shard", type=int, default=256, help="rows per safetensors shard")
+    p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["dump"]:  # the old `python -m draftheads.data.hidden_states dump ...` spelling, with the module swapped
         argv = argv[1:]
-    parser = argparse.ArgumentParser(prog="draftheads dump-features", description=__doc__.split("\n\n")[0],
-                                     epilog="Other arguments: --config FILE.yaml and the trainer's --key=value "
-                                            "overrides (the run the cache is for).")
-    parser.add_argument("--method", choices=METHODS, help="default: what the config trains")
-    parser.add_argument("--out", help="cache folder (default: the config's feature_cache)")
-    parser.add_argument("--dtype", choices=sorted(FEATURE_DTYPES), default="bfloat16", help="feature dtype on disk")
-    parser.add_argument("--rows-per-shard", "--rows_per_shard", dest="rows_per_shard", type=int, default=256, help="rows per safetensors shard")
-    parser.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser().parse_known_args(argv)
     from draftheads.train.cli import user_errors
 
     try:

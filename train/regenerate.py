@@ -176,26 +176,31 @@ def load_for_generation(folder: str | Path, dtype: str = "auto", device: str | N
     return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftheads regenerate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--verifier", required=True, help="model folder, embedded name (tiny-code) or hub id")
+    p.add_argument("--source", required=True, help="a data source (see data.sources): stdlib, FILE, hf:NAME")
+    p.add_argument("--out", required=True, help="output .jsonl")
+    p.add_argument("--format", default="auto", choices=["auto", "text", "sharegpt", "openai"])
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer / continuation")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--num-rows", type=int, default=None, help="regenerate only the first K source rows")
+    p.add_argument("--prefix-tokens", type=int, default=128, help="text rows: tokens kept as the prompt")
+    p.add_argument("--chat-template", default=None, help="chatml, llama3, a .jinja file or template text")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--strict", action="store_true", help="malformed source rows are errors")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="draftheads regenerate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--verifier", required=True, help="model folder, embedded name (tiny-code) or hub id")
-    parser.add_argument("--source", required=True, help="a data source (see data.sources): stdlib, FILE, hf:NAME")
-    parser.add_argument("--out", required=True, help="output .jsonl")
-    parser.add_argument("--format", default="auto", choices=["auto", "text", "sharegpt", "openai"])
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer / continuation")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--num-rows", type=int, default=None, help="regenerate only the first K source rows")
-    parser.add_argument("--prefix-tokens", type=int, default=128, help="text rows: tokens kept as the prompt")
-    parser.add_argument("--chat-template", default=None, help="chatml, llama3, a .jinja file or template text")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
-    parser.add_argument("--strict", action="store_true", help="malformed source rows are errors")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     for key in ("max_new_tokens", "batch_size", "prefix_tokens"):
         if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be positive")
+            p.error(f"--{key.replace('_', '-')} must be positive")
     folder = Path(args.verifier).expanduser()
     if not folder.is_dir():
         # Embedded names (tiny-code, built on first use) and hub ids resolve through the verifier wrapper

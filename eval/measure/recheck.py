@@ -136,14 +136,18 @@ def recheck(results: dict, verifier=None, device: str | None = None
     return checked, mismatches, ties
 
 
-def main(argv: list[str] | None = None) -> int:
-    from draftheads.eval.measure.cli_common import report_errors
-
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftheads recheck", description=__doc__.split("\n\n")[0])
     p.add_argument("results", help="results.json (or its folder)")
     p.add_argument("--verifier", default=None, help="default: the run's --verifier")
     p.add_argument("--device", default=None)
-    return report_errors(run, p.parse_args(argv))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from draftheads.eval.measure.cli_common import report_errors
+
+    return report_errors(run, parser().parse_args(argv))
 
 
 def run(args) -> int:

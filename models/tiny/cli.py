@@ -56,9 +56,9 @@ def summary(folder: str | Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m draftheads.models.tiny", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="python -m draftheads.models.tiny", description=__doc__.split("\n\n")[0])
+    sub = top.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", prog="draftheads build-verifier",  # the verb runs this subcommand
                        help="build a recipe (into the cache unless --out; a current cached build is kept)")
     p = sub.add_parser("path", help="print the cached folder of a recipe, building it first if needed")
@@ -72,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", default=None, help="write the model folder here instead of the cache")
     b.add_argument("--seed", type=int, default=None, help="default 0 (a cached build of any seed is kept)")
     b.add_argument("--force", action="store_true", help="rebuild even if the cached build is current")
-    args = parser.parse_args(argv)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     recipe = Recipe(**json.loads(args.recipe_json)) if args.recipe_json else args.recipe
     if args.command == "path":
         print(ensure_built(recipe, home=args.home))
