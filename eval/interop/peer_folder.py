@@ -302,12 +302,15 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from draftheads.models.outputs import OutputInTheWay, claim_output
     from draftheads.models.verifier import Verifier, VerifierError
 
     try:
         ids = parse_layer_ids(args.layer_ids)
         if not Path(args.draft).is_dir():
             raise PeerFolderError(f"--draft {args.draft}: no such folder")
+        if args.fix:  # before anything loads: the fixed folder replaces OUT whole
+            claim_output(args.fix, "drafter", "--fix")
         verifier = Verifier.from_pretrained(args.verifier, dtype=torch.float32)
         if ids is not None:
             verifier.check_layer_ids(ids, key="--layer-ids")
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}: {len(found)} fix(es); check it in vLLM with `draftheads serve-check --verifier "
               f"{args.verifier} --draft {out}`")
         return 0
-    except (PeerFolderError, VerifierError) as err:
+    except (PeerFolderError, VerifierError, OutputInTheWay) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
