@@ -247,13 +247,23 @@ def check_for_run(index: dict, cfg, folder: str | os.PathLike, verifier: dict, k
     return mine
 
 
+_HASHED: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) of the shards this process has hashed
+
+
 class CachedRows(torch.utils.data.Dataset):
     """One split of a cache as a map-style dataset: row i -> {input_ids, attention_mask, loss_mask, position_ids
-    (T,), final (T, H), layers (L, T, H) when stored}. Shards are opened lazily (memory-mapped), per worker process."""
+    (T,), final (T, H), layers (L, T, H) when stored}. Shards are opened lazily (memory-mapped), per worker process.
+
+    What is cheap to verify is verified as it is read: each shard's sha256 against index.json the first time a
+    process opens it (one more sequential read of the shard per process, the first epoch only; a flipped byte in a
+    feature otherwise trains to the end without a word), and every row's token ids inside the verifier's
+    vocabulary. Either ends in a CacheError naming the shard (and the row)."""
 
     def __init__(self, folder: str | os.PathLike, index: dict, split: str):
         self.folder, self.split = Path(folder), split
         self.shards = [meta["file"] for meta in index["splits"][split]["shards"]]
+        self.sha256 = [meta.get("sha256") for meta in index["splits"][split]["shards"]]
+        self.vocab_size = (index.get("verifier") or {}).get("vocab_size")
         counts = [meta["rows"] for meta in index["splits"][split]["shards"]]
         self.starts = [sum(counts[:i]) for i in range(len(counts))]
         self.length = sum(counts)
@@ -270,21 +280,45 @@ class CachedRows(torch.utils.data.Dataset):
         if s not in self._open:
             from safetensors import safe_open
 
-            self._open[s] = safe_open(str(self.folder / self.shards[s]), framework="pt")
+            path = self.folder / self.shards[s]
+            st = path.stat()
+            key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+            if self.sha256[s] and key not in _HASHED:
+                if sha256_file(path) != self.sha256[s]:
+                    raise CacheError(f"{path}: sha256 differs from index.json; the shard is corrupted: delete it and "
+                                     "its .json sidecar and rerun the dump (`draftheads cache verify` lists them all)")
+                _HASHED.add(key)
+            self._open[s] = safe_open(str(path), framework="pt")
         return self._open[s]
+
+    def _check_ids(self, ids: torch.Tensor, s: int, first_row: int) -> torch.Tensor:
+        """`ids` (n, T) of shard `s` from its row `first_row` on, when every id is inside the vocabulary."""
+        bad = (ids < 0) | (ids >= self.vocab_size) if self.vocab_size else ids < 0
+        if bad.any():
+            row, pos = (int(x) for x in bad.nonzero()[0])
+            raise CacheError(f"{self.folder / self.shards[s]}: row {first_row + row} holds token id "
+                             f"{int(ids[row, pos])} at position {pos}, outside the verifier's vocabulary "
+                             f"(0..{(self.vocab_size or 0) - 1}); the shard is corrupted: delete it and its .json "
+                             "sidecar and rerun the dump")
+        return ids
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         if not 0 <= i < self.length:
             raise IndexError(f"row {i} of {self.length} in {self.folder} ({self.split})")
         s = bisect.bisect_right(self.starts, i) - 1
         f, j = self._handle(s), i - self.starts[s]
-        return {key: f.get_slice(key)[j] for key in self.keys}
+        row = {key: f.get_slice(key)[j] for key in self.keys}
+        self._check_ids(row["input_ids"].unsqueeze(0), s, j)
+        return row
 
     def iter(self, batch_size: int = 1024, columns: tuple[str, ...] = ("input_ids", "loss_mask")):
         """Token columns shard by shard, as {key: (n, T)} (the `datasets.Dataset.iter` the trainers use)."""
         for s in range(len(self.shards)):
             f = self._handle(s)
-            yield {key: f.get_tensor(key) for key in columns}
+            out = {key: f.get_tensor(key) for key in columns}
+            if "input_ids" in out:
+                self._check_ids(out["input_ids"], s, 0)
+            yield out
 
 
 def collate_cached(rows: list[dict]) -> dict[str, torch.Tensor]:

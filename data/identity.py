@@ -112,6 +112,14 @@ def digest(record: dict[str, dict]) -> str:
     return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
 
 
+def folder_digest(folder: str | os.PathLike) -> str:
+    """A folder by content: `digest` over every file below it (hidden files, such as a lock, aside). What an eval's
+    results.json records of each drafter folder it decoded with, and what a re-check compares."""
+    folder = Path(folder)
+    return digest(files_record(folder, [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
+                                        if p.is_file() and not p.name.startswith(".")]))
+
+
 def content(record: dict[str, dict]) -> dict[str, str]:
     """{name: sha256}: what a record says about contents only (for comparing two records)."""
     return {name: entry["sha256"] for name, entry in record.items()}

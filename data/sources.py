@@ -173,11 +173,15 @@ def read_user_text(path: Path) -> str:
 
 
 def undecodable(value: Any) -> str | None:
-    """Where a value (a row: nested dicts, lists, strings) holds bytes that were not UTF-8, as a RowError detail."""
+    """Where a value (a row: nested dicts, lists, strings) holds text that is not UTF-8 as a RowError detail: bytes
+    that were not UTF-8 (kept as surrogates by `read_user_text`), or a lone surrogate that a JSON escape such as
+    `\\ud800` wrote, which no UTF-8 encoder (the tokenizer's, Arrow's) accepts."""
     if isinstance(value, str):
         for i, ch in enumerate(value):
             if "\udc80" <= ch <= "\udcff":
                 return f"byte 0x{ord(ch) - 0xDC00:02x} at character {i} is not UTF-8"
+            if "\ud800" <= ch <= "\udfff":
+                return f"a lone surrogate \\u{ord(ch):04x} at character {i} (a JSON escape) is not UTF-8 text"
         return None
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return next((found for found in map(undecodable, items) if found), None)

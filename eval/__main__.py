@@ -167,11 +167,9 @@ def draft_digest(draft) -> str | None:
     """A drafter folder by content (data/identity.py): what results.json records of each --draft."""
     if not isinstance(draft, str) or not Path(draft).is_dir():
         return None
-    from draftheads.data.identity import digest, files_record
+    from draftheads.data.identity import folder_digest
 
-    folder = Path(draft)
-    return digest(files_record(folder, [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*"))
-                                        if p.is_file() and not p.name.startswith(".")]))
+    return folder_digest(draft)
 
 
 def check_args(args) -> None:

@@ -45,6 +45,7 @@ from draftheads.data.hidden_states import (
 from draftheads.data.identity import data_inputs, input_changes, sha256_file
 from draftheads.models.atomic import atomic_path, write_json
 from draftheads.models.dtypes import to_dtype
+from draftheads.models.outputs import OutputInTheWay, claim_output
 from draftheads.models.verifier import folder_content, resolve_verifier
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.placement import load_verifier
@@ -296,11 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or cfg.feature_cache
         if not out:
             raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")
+        claim_output(out, "cache", "--out" if args.out else "feature_cache")
         dump(cfg, out, args.method, args.dtype, args.rows_per_shard, args.batch_size)
         # as train/cli.py main_guard does after a run: the accelerator's process-group threads are freed while the
         # interpreter is whole, not during its exit (where a 2-process gloo run sometimes aborted after finishing)
         gc.collect()
-    except (CacheError, ConfigError) as err:
+    except (CacheError, ConfigError, OutputInTheWay) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except user_errors() as err:  # a verifier or data file that cannot be used

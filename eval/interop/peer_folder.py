@@ -285,7 +285,33 @@ def parser() -> argparse.ArgumentParser:
                    "vLLM's top-level convention), when the folder does not record them")
     p.add_argument("--fix", metavar="OUT", help="write a folder vLLM and draftheads read as trained")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the fixed folder's dtype")
+    p.add_argument("--retarget", action="store_true", help="take a draftheads drafter recorded for another verifier "
+                   "(same shapes) as one for --verifier; without it, such a folder is refused")
     return p
+
+
+def check_trained_for(folder: str | Path, verifier, retarget: bool = False) -> None:
+    """A draftheads folder records the verifier it was trained for: another verifier (another fingerprint or other
+    files) is refused, naming both, unless `retarget` (the user says the drafter is meant for this one). Other
+    trainers' folders record no fingerprint to compare."""
+    from draftheads.models.layouts.folder import read_config
+    from draftheads.models.verifier import VerifierError, check_drafter_matches
+
+    try:
+        block = read_config(folder).get(METADATA_KEY)
+    except DrafterFormatError as err:
+        raise PeerFolderError(str(err)) from None
+    if not (isinstance(block, dict) and isinstance(block.get("verifier"), dict)) or retarget:
+        return
+    try:
+        check_drafter_matches(block["verifier"], verifier, folder)
+    except VerifierError as err:
+        stored = block["verifier"]
+        raise PeerFolderError(
+            f"--draft {folder}: trained for verifier {stored.get('name')!r} (fingerprint {stored.get('fingerprint')}), "
+            f"not --verifier {verifier.name!r} (fingerprint {verifier.describe()['fingerprint']}): "
+            f"{str(err).split(': ', 1)[-1] if 'fingerprint' not in str(err) else 'other weights'}; pass the verifier it "
+            "was trained for, or --retarget if it is meant for this one") from None
 
 
 def parse_layer_ids(text: str | None) -> list[int] | None:
@@ -302,15 +328,19 @@ def parse_layer_ids(text: str | None) -> list[int] | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    from draftheads.models.outputs import OutputInTheWay, claim_output
     from draftheads.models.verifier import Verifier, VerifierError
 
     try:
         ids = parse_layer_ids(args.layer_ids)
         if not Path(args.draft).is_dir():
             raise PeerFolderError(f"--draft {args.draft}: no such folder")
+        if args.fix:  # before anything loads: the fixed folder replaces OUT whole
+            claim_output(args.fix, "drafter", "--fix")
         verifier = Verifier.from_pretrained(args.verifier, dtype=torch.float32)
         if ids is not None:
             verifier.check_layer_ids(ids, key="--layer-ids")
+        check_trained_for(args.draft, verifier, args.retarget)
         ins = inspect(args.draft, verifier, ids)
         print(f"== {ins.folder} ({ins.kind} folder)")
         print(f"   vLLM reads layer ids {ins.served.layer_ids} ({ins.served.layer_ids_from}); trained with "
@@ -328,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}: {len(found)} fix(es); check it in vLLM with `draftheads serve-check --verifier "
               f"{args.verifier} --draft {out}`")
         return 0
-    except (PeerFolderError, VerifierError) as err:
+    except (PeerFolderError, VerifierError, OutputInTheWay) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -99,6 +99,10 @@ class Reading:
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.weights.items()}
         d2t, t2d = None, None
         if self.d2t is not None and self.d2t.numel() < verifier.vocab_size:
+            rows = weights["lm_head.weight"].shape[0] if "lm_head.weight" in weights else None
+            if rows is not None and rows != self.d2t.numel():  # never drop (or invent) trained lm_head rows
+                raise Unreadable(f"d2t maps {self.d2t.numel()} draft ids but lm_head.weight has {rows} rows: the "
+                                 "draft vocabulary is not what was trained (a fix would drop or invent rows)")
             d2t, t2d, order = monotone_maps(self.d2t, verifier.vocab_size)
             weights["lm_head.weight"] = weights["lm_head.weight"][order]
             weights.update(d2t=d2t, t2d=t2d)

@@ -45,13 +45,19 @@ def report_errors(command, *args) -> int:
 
 
 @contextlib.contextmanager
-def hold_out_folder(out: str):
+def hold_out_folder(out: str, kind: str = "eval"):
     """One eval (or tune) per `--out` at a time: its lock (models/atomic.py, as a run folder's) held while the command
-    runs, and a second one into it refused in one line. An --out the command created and left empty (an error, a
-    Ctrl-C before the results were written) is removed again."""
+    runs, and a second one into it refused in one line. `--out` must be new, empty or an earlier output of the same
+    command (`kind`: models/outputs.py), never a run folder or a cache that its files would land in. An --out the
+    command created and left empty (an error, a Ctrl-C before the results were written) is removed again."""
     from draftheads.models.atomic import LOCK_FILE, FolderInUse, lock_folder, unlock_folder
+    from draftheads.models.outputs import OutputInTheWay, claim_output
 
     folder = Path(out)
+    try:
+        claim_output(folder, kind, "--out")
+    except OutputInTheWay as err:
+        raise UsageError(str(err)) from None
     created, held = not folder.exists(), False
     try:
         try:

@@ -96,7 +96,15 @@ def load_run_verifier(results: dict, verifier=None, device: str | None = None):
         verifier = Verifier.from_pretrained(verifier or cfg["verifier"], dtype=dtype, device=device or "cpu")
     for m in cfg.get("methods", []):
         if m.get("method") == "medusa" and m.get("draft") and Path(m["draft"]).is_dir():
+            from draftheads.data.identity import folder_digest
             from draftheads.models.export import load_medusa_verifier
+
+            recorded, now = m.get("draft_digest"), folder_digest(m["draft"])
+            if recorded and recorded != now:  # another adapter merged in would blame the outputs, not the folder
+                raise VerifierError(f"--draft {m['draft']}: the drafter folder the run decoded with had content "
+                                    f"digest {recorded}, the folder there now has {now} (replaced since); its "
+                                    "Medusa-2 adapter is part of the verifier the run decoded with, so the outputs "
+                                    "cannot be re-checked against this one: restore that folder")
 
             load_medusa_verifier(m["draft"], verifier, merge=True)  # a no-op for Medusa-1
             break

@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
 
     def checked_run():
-        with hold_out_folder(args.out):
+        with hold_out_folder(args.out, "tune"):
             check_args(args)
             return run(args, parse_candidates(args.candidate))
 

@@ -7,6 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+HIDDEN_ACTS = ("silu",)
+"""The MLP activations a DFlash export can be served with (vLLM's qwen3_dflash: SiluAndMul only)."""
 #: Layer fields that default to the verifier's own (None in the config means "as the verifier").
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "rope_theta", "max_position_embeddings", "hidden_act")
@@ -135,6 +137,10 @@ class DFlashConfig:
             value = getattr(self, key)
             if value is not None and not value > 0:
                 raise DFlashError(f"dflash.{key}={value}: expected a number > 0 or null")
+        if self.hidden_act is not None and self.hidden_act not in HIDDEN_ACTS:
+            raise DFlashError(f"dflash.hidden_act={self.hidden_act!r}: expected {' or '.join(HIDDEN_ACTS)} (vLLM's "
+                              "DFlash drafter, qwen3_dflash, builds its MLP with SiluAndMul and serves no other "
+                              "activation) or null for the verifier's")
         for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl"))):
             if getattr(self, key) not in allowed:
                 raise DFlashError(f"dflash.{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -88,6 +89,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--- {prompt!r}\n{prompt}{text}\n")
         return 0
     if args.out:
+        from draftheads.models.outputs import OutputInTheWay, claim_output
+
+        try:  # the build replaces --out whole: never a folder that holds something else
+            claim_output(args.out, "verifier", "--out")
+        except OutputInTheWay as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         folder = build(recipe, args.out, seed=args.seed or 0)
     else:
         folder = ensure_built(recipe, home=args.home, seed=args.seed, force=args.force)

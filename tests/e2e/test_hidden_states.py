@@ -215,6 +215,10 @@ def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):
     with pytest.raises(CacheError, match=r"train-00000\.safetensors: sha256 differs"):
         verify_shards(cache, read_index(cache), check_hash=True)
     assert cache_cli(["verify", str(cache)]) == 2
+    # ... and the training read, the first time its process opens the shard (it trained to the end before)
+    train, _ = cached_datasets(offline)
+    with pytest.raises(CacheError, match=r"train-00000\.safetensors: sha256 differs from index\.json"):
+        train[0]
     # Truncated: the size check on every training start sees it.
     shard.write_bytes(bytes(data[:-100]))
     with pytest.raises(CacheError, match=r"train-00000\.safetensors: \d+ bytes, index\.json records"):
@@ -227,6 +231,31 @@ def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):
     shard.unlink()
     with pytest.raises(CacheError, match=r"train-00000\.safetensors: shard missing"):
         cached_datasets(offline)
+
+
+def test_a_token_id_outside_the_vocabulary_names_the_shard_and_row(verifier_dir, text_rows, tmp_path):
+    """A negative (or too large) token id in a shard whose index was rewritten to match: one line naming the shard and
+    the row, where the draft-vocabulary count (bincount) raised a RuntimeError before."""
+    from safetensors.torch import load_file, save_file
+
+    from draftheads.data.identity import sha256_file
+
+    cfg = medusa_cfg(*medusa_args((verifier_dir, text_rows), tmp_path / "run"))
+    cache = tmp_path / "cache"
+    dump(cfg, cache, rows_per_shard=4, say=quiet)
+    shard = cache / "train-00000.safetensors"
+    tensors = load_file(str(shard))
+    tensors["input_ids"][2, 5] = -7
+    save_file(tensors, str(shard))
+    index = json.loads((cache / "index.json").read_text())
+    meta = index["splits"]["train"]["shards"][0]
+    meta.update(bytes=shard.stat().st_size, sha256=sha256_file(shard))
+    (cache / "index.json").write_text(json.dumps(index))
+    train, _ = cached_datasets(cfg_with_cache(cfg, cache))
+    with pytest.raises(CacheError, match=r"train-00000\.safetensors: row 2 holds token id -7 at position 5"):
+        train[2]
+    with pytest.raises(CacheError, match=r"row 2 holds token id -7"):
+        next(train.iter())
 
 
 def test_a_version_1_cache_is_refused_in_one_line(verifier_dir, text_rows, tmp_path):

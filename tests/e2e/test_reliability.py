@@ -882,7 +882,42 @@ CASES += [
          setup=verifier_file),
     Case("verifier config.json truncated", train(verifier="{tmp}/v"),
          r"verifier folder '.*v': cannot read config\.json", setup=verifier_bad_config),
+    # ---- a command that writes a folder never replaces one it does not own (models/outputs.py)
+    Case("import-peer --fix onto a training run folder", ["draftheads", "import-peer", "--verifier={v}", "--draft",
+                                                         "{tmp}/peer", "--fix", "{tmp}/run"],
+         r"--fix .*run: it holds a training run folder .*nothing was written", setup=run_and_peer, check=run_intact),
+    Case("build-verifier --out onto a feature cache", ["draftheads", "build-verifier", "--recipe", "micro", "--out",
+                                                      "{tmp}/cache"],
+         r"--out .*cache: it holds a feature cache .*nothing was written", setup=a_cache),
+    Case("eval --out onto a training run folder", [*EVAL[:-1], "{tmp}/run"],
+         r"--out .*run: it holds a training run folder", setup=run_and_peer, check=run_intact),
+    Case("dump-features --out onto a folder of other files", ["draftheads", "dump-features", *TRAIN[2:], "--out",
+                                                             "{tmp}/mine"],
+         r"--out .*mine: it holds a folder of 1 other entry \(notes\.txt\)", setup=a_folder_of_notes),
 ]
+
+
+def run_and_peer(tmp):
+    """A finished-looking training run folder, and another trainer's drafter folder to import."""
+    write(tmp / "run" / "run.json", "{}")
+    write(tmp / "run" / "config.yaml", "verifier: x\n")
+    write(tmp / "run" / "step-000003" / "COMPLETE", "")
+    write(tmp / "run" / "drafter" / "config.json", json.dumps({"draftheads": {"method": "eagle3"}}))
+    write(tmp / "peer" / "config.json", json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+
+
+def run_intact(tmp):
+    names = sorted(str(p.relative_to(tmp / "run")) for p in (tmp / "run").rglob("*"))
+    assert names == ["config.yaml", "drafter", "drafter/config.json", "run.json", "step-000003",
+                     "step-000003/COMPLETE"], names
+
+
+def a_cache(tmp):
+    write(tmp / "cache" / "index.json", json.dumps({"format": "draftheads-hidden-states"}))
+
+
+def a_folder_of_notes(tmp):
+    write(tmp / "mine" / "notes.txt", "mine\n")
 
 
 @contextlib.contextmanager

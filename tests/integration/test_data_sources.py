@@ -157,3 +157,18 @@ def test_mixed_chat_and_text_folder_is_an_error(tmp_path):
     (tmp_path / "b.py").write_text("x = 1\n")
     with pytest.raises(DataError, match="mixes chat rows.*and text rows"):
         load_source(str(tmp_path))
+
+
+def test_a_lone_surrogate_escape_is_a_skipped_row_or_a_strict_error(tmp_path):
+    """`"\ud800"` in a JSON row is valid JSON but no UTF-8 text: the row is skipped with the data warning the other
+    malformed rows get (Arrow's encoder raised a UnicodeEncodeError from inside datasets), or refused under strict,
+    naming the row."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"text": "def f(x):\\n    return x\\n"}\n{"text": "half a pair \\ud800 here"}\n')
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ds = load_source(str(path))
+    message = " ".join(str(w.message) for w in caught if issubclass(w.category, DataWarning))
+    assert len(ds) == 1 and "skipped 1 of 2 rows" in message and f"{path}:2" in message
+    with pytest.raises(DataError, match=r"rows\.jsonl:2: a lone surrogate \\ud800 at character 12"):
+        load_source(str(path), strict=True)

@@ -357,3 +357,13 @@ def test_own_lm_head_loss_matches_slow_reference(verifier, loss):
     assert torch.allclose(out.loss.double(), expected, atol=1e-5)
     out.loss.backward()
     assert drafter.lm_head.weight.grad.abs().sum() > 0 and verifier.lm_head.weight.grad is None
+
+
+def test_hidden_act_is_one_vllm_serves():
+    """A misspelt or unsupported activation is one line naming the key before anything loads (it was a KeyError
+    from transformers' ACT2FN once the data had loaded); vLLM's DFlash MLP is SiluAndMul."""
+    from draftheads.models.dflash.config import DFlashConfig, DFlashError
+
+    with pytest.raises(DFlashError, match=r"dflash.hidden_act='swishy': expected silu .*qwen3_dflash"):
+        DFlashConfig(hidden_act="swishy")
+    assert DFlashConfig(hidden_act="silu").hidden_act == "silu" and DFlashConfig().hidden_act is None

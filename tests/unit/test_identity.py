@@ -3,6 +3,8 @@ differs between two records is named file by file."""
 
 import os
 
+import pytest
+
 from draftheads.data.identity import changes, digest, file_record, files_record, input_changes, summarize
 
 
@@ -103,3 +105,24 @@ def test_a_home_that_cannot_be_written_costs_nothing_but_time(tmp_path, monkeypa
     monkeypatch.setattr(identity, "DISK_MEMO_MIN_BYTES", 4)
     (tmp_path / "big.bin").write_bytes(b"z" * 100)
     assert file_record(tmp_path / "big.bin")["size"] == 100
+
+
+def test_recheck_refuses_a_medusa2_folder_replaced_since_the_run(tmp_path):
+    """A Medusa-2 run's adapter is part of the verifier it decoded with: re-checking after the drafter folder was
+    replaced by another training would merge the other adapter and blame the outputs; the digest results.json
+    recorded is compared first, and the refusal names both."""
+    from draftheads.data.identity import folder_digest
+    from draftheads.eval.measure.recheck import load_run_verifier
+    from draftheads.models.verifier import VerifierError
+    from tests.utils import save_tiny_verifier
+
+    verifier = save_tiny_verifier(tmp_path / "v")
+    drafter = tmp_path / "medusa2" / "drafter"
+    drafter.mkdir(parents=True)
+    (drafter / "config.json").write_text("{}")
+    recorded = folder_digest(drafter)
+    (drafter / "config.json").write_text('{"replaced": true}')
+    results = {"config": {"verifier": str(verifier), "methods": [
+        {"method": "medusa", "draft": str(drafter), "draft_digest": recorded}]}}
+    with pytest.raises(VerifierError, match=f"had content digest {recorded}, .* has {folder_digest(drafter)}"):
+        load_run_verifier(results)

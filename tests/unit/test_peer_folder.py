@@ -204,3 +204,34 @@ def test_command(verifier, tmp_path, capsys):
     assert peer_folder.main(["--verifier", str(verifier.path), "--draft", str(tmp_path / "fixed")]) == 0
     assert peer_folder.main([*args, "--layer-ids", "1,2"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: --layer-ids 1,2: expected three distinct layer ids"
+
+
+def test_a_drafter_for_another_verifier_is_refused_unless_retargeted(verifier, tmp_path, capsys):
+    """Our export records its verifier: import-peer with another verifier of the same shapes (other weights) names
+    both fingerprints and writes nothing; --retarget takes it as meant for this one."""
+    other = Verifier.from_pretrained(save_tiny_verifier(tmp_path / "other", num_layers=L, seed=1))
+    folder = export_eagle(drafter(verifier), tmp_path / "ours", verifier)
+    args = ["--verifier", str(other.path), "--draft", str(folder), "--fix", str(tmp_path / "fixed")]
+    capsys.readouterr()  # the set-up's progress bars
+    assert peer_folder.main(args) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # (transformers' loading bar above it)
+    assert line.startswith("error: --draft") and verifier.describe()["fingerprint"] in line
+    assert other.describe()["fingerprint"] in line and "--retarget" in line
+    assert not (tmp_path / "fixed").exists()
+    assert peer_folder.main([*args, "--retarget"]) == 0 and (tmp_path / "fixed" / "config.json").is_file()
+
+
+def test_a_fix_never_drops_trained_lm_head_rows(verifier, tmp_path):
+    """d2t shorter than the trained lm_head (150 of 200 draft ids): the fix would drop 50 trained rows, so it is
+    refused with the reason, and nothing is written."""
+    counts = torch.randint(0, 100, (verifier.vocab_size,), generator=torch.Generator().manual_seed(0))
+    d = build_drafter(verifier, EagleConfig(layer_ids=[1, 3, 6], draft_vocab_size=200), token_counts=counts)
+    folder = export_eagle(d, tmp_path / "ours", verifier)
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"][:150].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(PeerFolderError, match=r"d2t maps 150 draft ids but lm_head.weight has 200 rows"):
+        fix(inspect(folder, verifier), tmp_path / "fixed", verifier)
+    assert not (tmp_path / "fixed").exists()
