@@ -13,7 +13,7 @@
 #
 # DFLASH_EXTRA_WINDOWS="8:8 16:16" also trains DFlash at block 8 with a first-layer window of 8 (label b8w8), ...:
 # with the config's window of 5, block positions 5 and later see only mask tokens in the first layer
-# (docs/dflash.md#positions-past-the-window).
+# (docs/train-dflash.md#positions-past-the-window).
 # DFLASH_EXTRA_LAYERS="4:3" also trains DFlash at block 4 with 3 layers (label b4l3): the first sliding as in the
 # config, the others full; the target layers then default to one per drafter layer.
 # DFLASH_EXTRA_ANCHORS="4:64" also trains DFlash at block 4 with 64 anchored blocks per row (label b4a64; the

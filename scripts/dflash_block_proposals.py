@@ -6,7 +6,7 @@ and how many distinct tokens a position proposes over many blocks, beside the sa
 
 A drafter whose first layer attends within a window of W positions, causally inside the block, sees only mask
 tokens there at block positions k >= W: their first-layer outputs are one and the same vector, and the later
-layers tell them apart only by their positions (docs/dflash.md#positions-past-the-window). This prints what that
+layers tell them apart only by their positions (docs/train-dflash.md#positions-past-the-window). This prints what that
 does to the proposals. Rows: the last `--rows` rows of `--data` (`text` rows), `--anchors` random anchors each
 (seed 0), the same anchors for every drafter.
 """

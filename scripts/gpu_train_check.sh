@@ -6,7 +6,7 @@
 #   2. budget: EAGLE-3 (configs/eagle3-tiny.yaml) and DFlash (configs/dflash-tiny.yaml, block 5) side by side on
 #      the self-distilled rows of scripts/bench_dflash.sh, as many steps as the time left allows (the same steps and
 #      tokens for both, measured from the smoke runs' own tokens/s), each drafter copied back to $OUT to be decoded
-#      here by scripts/bench_decode.py (docs/dflash.md, "A longer budget on a GPU").
+#      here by scripts/bench_decode.py (docs/benchmarks.md#gpu-h200).
 #
 #   here, once:   PYTHON=.venv/bin/python bash scripts/gpu_train_check.sh --prepare   # .whl-train/, .cache-gpu/
 #   here, smoke:  PYTHON=/tmp/devsim/bin/python bash scripts/gpu_train_check.sh --dry-run   # CPU, a few steps

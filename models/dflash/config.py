@@ -259,7 +259,7 @@ def default_mask_token(verifier_config, embedding=None) -> int:
     when it initialises a model (our embedded verifiers, a model trained from scratch), and a mask embedded as zeros
     reaches the first layer as zeros, so its queries, keys and values at every mask position are zero and its
     attention there is a fixed average that no weight can steer (tiny-code: the pad token's row is zero; id 1
-    drafts better, docs/dflash.md#the-mask-tokens-embedding)."""
+    drafts better, docs/train-dflash.md#the-mask-tokens-embedding)."""
     for key in ("pad_token_id", "eos_token_id"):
         value = getattr(verifier_config, key, None)
         value = value[0] if isinstance(value, (list, tuple)) and value else value

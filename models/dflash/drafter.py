@@ -427,7 +427,7 @@ def blind_positions_warning(cfg: DFlashConfig, mask_embedding: torch.Tensor) -> 
     embedding row of the mask token. Such a position's first-layer output is the same vector for every one of them
     whatever the weights (they attend to mask tokens only), and with an all-zero row (HF zeroes the pad token's,
     the default mask token) exactly zero, so the drafter proposes one token at all of them
-    (docs/dflash.md#positions-past-the-window)."""
+    (docs/train-dflash.md#positions-past-the-window)."""
     if cfg.layer_type(0) != "sliding_attention" or cfg.sliding_window is None \
             or cfg.sliding_window >= cfg.block_size:
         return None

@@ -1,9 +1,9 @@
-"""The real-model recipe of docs/training.md, run as written on local stand-ins: the commands are read from the page
-(so the page cannot drift from the code), the model id is replaced by a tiny local verifier with a chat template,
-the downloaded ShareGPT file by a tiny one, MT-bench by a tiny question file, and the run is cut to test size by
-overrides appended to each command (steps, rows, lengths, one process, the CPU). Nothing else is changed: the
-configs, the flags and the data flow (ShareGPT -> regenerate -> train on `messages` rows -> evaluate) are the
-recipe's."""
+"""The Llama-3.1-8B recipes of docs/train-eagle.md and docs/train-medusa.md, run as written on local stand-ins: the
+commands are read from the pages (so the pages cannot drift from the code), the model id is replaced by a tiny local
+verifier with a chat template, the downloaded ShareGPT file by a tiny one, MT-bench by a tiny question file, and the
+run is cut to test size by overrides appended to each command (steps, rows, lengths, one process, the CPU). Nothing
+else is changed: the configs, the flags and the data flow (ShareGPT -> regenerate -> train on `messages` rows ->
+evaluate -> serve-check; Medusa: ShareGPT -> train -> evaluate -> serve-check) are the recipes'."""
 
 from __future__ import annotations
 
@@ -39,11 +39,26 @@ VERB_MODULES = {"regenerate": "draftheads.train.regenerate", "eval": "draftheads
                 "serve-check": "draftheads.eval.interop.serve_check"}
 
 
-def recipe_commands() -> list[list[str]]:
-    text = (ROOT / "docs" / "training.md").read_text()
-    block = re.search(r"## Recipes for real models.*?```bash\n(.*?)```", text, re.S).group(1)
+#: page -> the first words of its recipe's commands, in order
+RECIPES = {"train-eagle.md": ["hf", "draftheads", "accelerate", "draftheads", "draftheads"],
+           "train-medusa.md": ["hf", "accelerate", "draftheads", "draftheads"]}
+
+
+def recipe_commands(page: str) -> list[list[str]]:
+    text = (ROOT / "docs" / page).read_text()
+    block = re.search(r"## Recipe: Llama-3.1-8B-Instruct.*?```bash\n(.*?)```", text, re.S).group(1)
     lines = [line for line in block.replace("\\\n", " ").splitlines() if line.strip() and not line.startswith("#")]
     return [shlex.split(line) for line in lines]
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    """The value of `--name=V` or `--name V` in cmd, else None."""
+    for i, a in enumerate(cmd):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(cmd):
+            return cmd[i + 1]
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +80,8 @@ def stand_ins(tmp_path_factory):
     return root, verifier, sharegpt
 
 
-def test_the_recipe_runs_as_written(stand_ins, monkeypatch):
+@pytest.mark.parametrize("page", list(RECIPES))
+def test_the_recipe_runs_as_written(page, stand_ins, monkeypatch):
     from draftheads.eval.__main__ import main as eval_main
     from draftheads.eval.interop.serve_check import parser as serve_check_parser
     from draftheads.train.cli import main_guard
@@ -74,9 +90,8 @@ def test_the_recipe_runs_as_written(stand_ins, monkeypatch):
 
     root, verifier, sharegpt = stand_ins
     monkeypatch.chdir(root)
-    commands = recipe_commands()
-    assert [c[0] for c in commands] == ["hf", "draftheads", "accelerate", "accelerate", "draftheads", "draftheads"], \
-        commands
+    commands = recipe_commands(page)
+    assert [c[0] for c in commands] == RECIPES[page], commands
     for cmd in commands:
         cmd = [str(verifier) if a == MODEL else a for a in cmd]
         if cmd[0] == "draftheads":  # a verb of the command: the module it runs, as `python -m` would name it
@@ -101,7 +116,9 @@ def test_the_recipe_runs_as_written(stand_ins, monkeypatch):
             out = root / "runs" / ("llama3-8b-eagle3" if script == "train/eagle.py" else "llama3-8b-medusa")
             assert (out / "drafter" / "model.safetensors").is_file()
             meta = json.loads((out / "drafter" / "config.json").read_text())["draftheads"]
-            assert meta["training"]["data"] == "regen.jsonl"  # trained on step 2's `messages` rows
+            config = ROOT / flag(cmd, "--config")
+            data = flag(cmd, "--data.source") or re.search(r"^  source: (\S+)", config.read_text(), re.M).group(1)
+            assert meta["training"]["data"] == data  # trained on the rows the recipe names
         elif cmd[1:3] == ["-m", "draftheads.train.regenerate"]:
             regenerate_main([*cmd[3:], *SIZE["draftheads.train.regenerate"]])
             rows = [json.loads(line) for line in Path("regen.jsonl").read_text().splitlines()]
@@ -112,7 +129,7 @@ def test_the_recipe_runs_as_written(stand_ins, monkeypatch):
             args = [a for i, a in enumerate(args) if not (a in ("--device", "--dtype") or
                                                           args[i - 1] in ("--device", "--dtype"))]
             assert eval_main([*args, *SIZE["eval"]]) == 0
-            assert (root / "results" / "llama3-eagle3" / "results.json").is_file()
+            assert (root / flag(cmd, "--out") / "results.json").is_file()
         elif cmd[1:3] == ["-m", "draftheads.eval.interop.serve_check"]:  # vLLM is the interop suite's; here: the flags parse
             serve_check_parser().parse_args(cmd[3:])
         else:

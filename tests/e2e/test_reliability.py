@@ -2,8 +2,8 @@
 clear line (no traceback) that names the flag, key, file or row and what to do; faults mid-run end with the last
 complete checkpoint intact and a rerun that ends with the uninterrupted run's weights.
 
-The table in docs/reliability.md (between the `catalogue` markers) is written from these cases: the test fails when
-the page differs, and `DRAFTHEADS_WRITE_DOCS=1 python -m pytest tests/e2e/test_reliability.py` rewrites it.
+The table in docs/reliability-catalogue.md (between the `catalogue` markers) is written from these cases: the test
+fails when the page differs, and `DRAFTHEADS_WRITE_DOCS=1 python -m pytest tests/e2e/test_reliability.py` rewrites it.
 Commands run in this process (the CLIs' `main` with their argv) so the whole catalogue takes seconds; temporary
 paths appear as `<tmp>` in the table.
 """
@@ -32,7 +32,7 @@ import torch
 from tests.utils import reset_accelerate, save_tiny_verifier, save_tiny_verifier_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "reliability.md"
+DOC = ROOT / "docs" / "reliability-catalogue.md"
 BEGIN, END = "<!-- catalogue:begin -->", "<!-- catalogue:end -->"
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate", "one_thread")
@@ -1105,5 +1105,5 @@ def test_docs_table_is_current(catalogue):
     current = f"{head}{BEGIN}\n{table(root, rows)}{END}{tail}"
     if os.environ.get("DRAFTHEADS_WRITE_DOCS") == "1":
         DOC.write_text(current)
-    assert DOC.read_text() == current, ("docs/reliability.md's catalogue is stale: rerun with "
+    assert DOC.read_text() == current, ("docs/reliability-catalogue.md is stale: rerun with "
                                         "DRAFTHEADS_WRITE_DOCS=1 python -m pytest tests/e2e/test_reliability.py")
