@@ -25,8 +25,8 @@ install_wheels() {  # install_wheels DIR SITE: DIR's wheels (if any) into SITE, 
       || return 1
     export PYTHONPATH=$2:$PWD
   fi
-  # The namespace: draftheads.models is models/ and so on (pyproject's package-dir), which only an install maps;
-  # an editable one, as on a developer's machine, so the tests' own imports (tests.utils) resolve the same way.
+  # The namespace: draftheads/models links to models/ and so on, so the checkout on PYTHONPATH imports it; where
+  # it is not, an editable install, as on a developer's machine.
   "$PY" -c "import draftheads.models.verifier" 2>/dev/null || "$PY" -m pip install -q --no-index --no-deps \
     --no-build-isolation --no-cache-dir -e .
 }

@@ -1,8 +1,10 @@
 """The house rules for imports, read from the source (every import statement, module level or inside a function):
 
   - one installed namespace: project code imports `draftheads.<room>`, never a bare top-level `data`, `models`,
-    `eval` or `train` (those are folders of the checkout, mapped under `draftheads` by pyproject.toml), and nothing
-    edits `sys.path`;
+    `eval` or `train` (those are folders of the checkout, linked under `draftheads/`), and nothing edits `sys.path`;
+  - draftheads/data, draftheads/models, draftheads/eval and draftheads/train are relative links to the rooms, so
+    the package is a plain folder tree (an editor's static import resolution reads it as Python does:
+    tests/integration/test_static_imports.py);
   - the layers run one way, data -> models -> eval -> train: a module may import its own layer and the ones before
     it, never a later one (the `draftheads` command, scripts/ and tests/ sit above all and may import anything);
   - inside eval/, the engine imports no drafter, no measurement and no interop; the drafters import no
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -172,12 +175,26 @@ def test_no_import_loops():
 
 
 def test_every_package_folder_is_installed():
-    """pyproject.toml lists the packages by hand (package-dir maps them): a new folder left out would be missing
+    """pyproject.toml lists the packages by hand: a new folder left out would be missing
     from a wheel, so the list must equal the folders that hold an __init__.py."""
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {module_name(p.parent / "__init__.py") for folder in (*LAYERS, PACKAGE)
              for p in (ROOT / folder).rglob("__init__.py")}
     assert listed == found, f"pyproject.toml packages: missing {sorted(found - listed)}, extra {sorted(listed - found)}"
+
+
+def test_the_rooms_are_linked_under_the_package():
+    """draftheads/<room> is a relative link to the room (git keeps links): what makes `draftheads.<room>` a real
+    path, for static tools, the editable install and a wheel alike. A checkout made with git's core.symlinks off
+    has a small file holding the text `../data` there instead."""
+    wrong = []
+    for layer in LAYERS:
+        link = ROOT / PACKAGE / layer
+        found = (f"a link to {os.readlink(link)}" if link.is_symlink() else "a folder" if link.is_dir()
+                 else "a file" if link.exists() else "nothing")
+        if found != f"a link to ../{layer}":
+            wrong.append(f"{PACKAGE}/{layer}: expected a link to ../{layer}, found {found}")
+    assert not wrong, "the rooms under the package:\n" + "\n".join(wrong)
 
 
 def test_installed_namespace_is_draftheads_alone(tmp_path):
@@ -229,6 +246,20 @@ def test_the_check_sees_bare_layer_imports_and_path_edits(tmp_path, monkeypatch)
         test_project_code_imports_only_the_namespace()
     with pytest.raises(AssertionError, match=r"eval/x\.py:2"):
         test_nothing_edits_sys_path()
+
+
+def test_the_check_sees_a_room_that_is_no_link(tmp_path, monkeypatch):
+    fake_tree(tmp_path, monkeypatch, {})
+    (tmp_path / PACKAGE / "data").write_text("../data")  # git's core.symlinks off
+    for layer in ("models", "eval"):
+        (tmp_path / PACKAGE / layer).symlink_to(f"../{layer}")
+    (tmp_path / PACKAGE / "train").symlink_to(tmp_path / "train")  # absolute: breaks when the checkout moves
+    with pytest.raises(AssertionError) as failed:
+        test_the_rooms_are_linked_under_the_package()
+    lines = [line.strip() for line in str(failed.value).splitlines()]
+    assert "draftheads/data: expected a link to ../data, found a file" in lines
+    assert f"draftheads/train: expected a link to ../train, found a link to {tmp_path / 'train'}" in lines
+    assert not any(line.startswith(("draftheads/models", "draftheads/eval")) for line in lines)
 
 
 def test_the_check_sees_loops(tmp_path, monkeypatch):
