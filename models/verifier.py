@@ -7,6 +7,12 @@ A drafter never owns the verifier; it reads from it:
   - `lm_head`        the output projection (shared by EAGLE-1, initialises Medusa heads)
   - `fingerprint`    a short hash that a drafter stores so it is never paired with another verifier
 
+`Verifier.load_head(...)` loads what training on cached features reads and nothing more: the model is built on
+the meta device and only the embedding, lm_head and final norm (plus any decoder layers asked for) are read from
+the safetensors files, by name. At Llama-3.1-8B's shapes in bf16 that is 2 x 128256 x 4096 x 2 bytes = 1.96 GiB
+instead of 15 GiB. Its fingerprint is computed from the files, as `from_pretrained`'s, so it is the same value;
+what would run the layers (`features`, `check_head`, `forward`) refuses in one line.
+
 Weights load only from safetensors; `trust_remote_code` is off unless asked for.
 """
 
@@ -160,6 +166,66 @@ def fingerprint_module(model: nn.Module) -> str:
     return "mem-" + digest.hexdigest()[:12]
 
 
+def _read_config(folder: Path, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except (ValueError, OSError) as err:  # transformers raises OSError for a config.json that is not JSON
+        raise VerifierError(f"verifier folder {str(folder)!r}: cannot read config.json "
+                            f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})"
+                            ) from None
+
+
+def _folder_fingerprint(folder: Path) -> str:
+    with open(folder / "config.json") as f:
+        return fingerprint_files(folder, json.load(f))
+
+
+def _load_modules(model: nn.Module, modules: list[nn.Module], folder: Path, dtype: torch.dtype | None,
+                  device: torch.device | None) -> None:
+    """Read the parameters of `modules` (submodules of `model`, built on the meta device) from the folder's
+    safetensors files by name, in `dtype` (None: as stored), onto `device` (None: the CPU). A tied lm_head stays
+    the embedding's tensor. Every other parameter and buffer of `model` stays on the meta device."""
+    from safetensors import safe_open
+
+    wanted = {id(p) for m in modules for p in m.parameters()}
+    names: dict[int, list[str]] = {}  # one tensor, every name it has (tied embedding and lm_head: two)
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in wanted:
+            names.setdefault(id(p), []).append(name)
+            params[id(p)] = p
+    files = {}  # checkpoint key -> file (a sharded checkpoint spreads them over several)
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    loaded: dict[int, torch.Tensor] = {}
+    for key, aliases in names.items():
+        candidates = [n for a in aliases for n in (a, a.removeprefix(prefix) if a.startswith(prefix) else None) if n]
+        found = next((n for n in candidates if n in files), None)
+        if found is None:
+            raise VerifierError(f"verifier folder {str(folder)!r}: no tensor {aliases[0]!r} in its safetensors files "
+                                f"(looked for {', '.join(dict.fromkeys(candidates))})")
+        with safe_open(str(files[found]), framework="pt", device="cpu") as f:
+            tensor = f.get_tensor(found)
+        expected = tuple(params[key].shape)
+        if tuple(tensor.shape) != expected:
+            raise VerifierError(f"verifier folder {str(folder)!r}: tensor {found!r} has shape {tuple(tensor.shape)}, "
+                                f"its config gives {expected}")
+        loaded[key] = tensor.to(dtype=dtype or tensor.dtype, device=device or "cpu")
+    owners = {}  # parameter id -> [(module, attribute)] wherever it is registered
+    for module in model.modules():
+        for attr, p in module._parameters.items():
+            if p is not None and id(p) in loaded:
+                owners.setdefault(id(p), []).append((module, attr))
+    for key, places in owners.items():
+        param = nn.Parameter(loaded[key], requires_grad=False)  # one Parameter for every place: ties stay tied
+        for module, attr in places:
+            module._parameters[attr] = param
+
+
 @dataclass
 class VerifierFeatures:
     """What one verifier forward gives a drafter."""
@@ -194,6 +260,10 @@ def capture_layer_inputs(layers: nn.ModuleList, layer_ids):
 class Verifier(nn.Module):
     """A frozen causal LM. Build with `Verifier.from_pretrained(name_or_path)` or wrap a live model."""
 
+    head_only: bool = False
+    """True when only the embedding, lm_head and final norm were loaded (`load_head`): the layers are on the meta
+    device and nothing that runs them works."""
+
     def __init__(self, model: nn.Module, name: str | None = None, fingerprint: str | None = None,
                  path: Path | None = None):
         super().__init__()
@@ -213,15 +283,10 @@ class Verifier(nn.Module):
     def from_pretrained(cls, name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
                         device: str | torch.device | None = None, trust_remote_code: bool = False,
                         attn_implementation: str | None = None) -> "Verifier":
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         folder = resolve_verifier(name_or_path)
-        try:
-            config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        except (ValueError, OSError) as err:  # transformers raises OSError for a config.json that is not JSON
-            raise VerifierError(f"verifier folder {str(folder)!r}: cannot read config.json "
-                                f"({str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__})"
-                                ) from None
+        config = _read_config(folder, trust_remote_code)
         kwargs = {"dtype": _dtype(dtype)} if _dtype(dtype) is not None else {}
         if attn_implementation:
             kwargs["attn_implementation"] = attn_implementation
@@ -237,10 +302,30 @@ class Verifier(nn.Module):
             raise VerifierError(f"verifier folder {str(folder)!r} failed to load: {type(err).__name__}: {err}") from None
         if device is not None:
             model = model.to(device)
-        with open(folder / "config.json") as f:
-            raw_config = json.load(f)
-        name = str(name_or_path)
-        return cls(model, name=name, fingerprint=fingerprint_files(folder, raw_config), path=folder)
+        return cls(model, name=str(name_or_path), fingerprint=_folder_fingerprint(folder), path=folder)
+
+    @classmethod
+    def load_head(cls, name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
+                  device: str | torch.device | None = None, trust_remote_code: bool = False,
+                  layers: list[int] | tuple[int, ...] = ()) -> "Verifier":
+        """The verifier as training on cached features reads it: the token embedding, lm_head and final norm
+        (and the decoder layers `layers`, e.g. to start a drafter's layers from) read from the safetensors files,
+        the rest of the model on the meta device. Same name, config and fingerprint as `from_pretrained`'s; the
+        tensors it holds are equal to that model's (read in `dtype`, default: as stored, on `device`)."""
+        from transformers import AutoModelForCausalLM
+
+        folder = resolve_verifier(name_or_path)
+        config = _read_config(folder, trust_remote_code)
+        dtype = _dtype(dtype)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code,
+                                                     **({"dtype": dtype} if dtype is not None else {}))
+        verifier = cls(model, name=str(name_or_path), fingerprint=_folder_fingerprint(folder), path=folder)
+        verifier.check_layer_ids(list(layers), key="layers")
+        modules = [verifier.embed_tokens, verifier.lm_head, verifier.norm, *(verifier.layers[i] for i in layers)]
+        _load_modules(model, modules, folder, dtype, torch.device(device) if device is not None else None)
+        verifier.head_only = True
+        return verifier
 
     # ---- handles -------------------------------------------------------------------------------------------------
     @property
@@ -317,6 +402,7 @@ class Verifier(nn.Module):
     def check_head(self, what: str = "reading its features") -> None:
         """Refuse a model whose logits are not lm_head(final post-norm hidden state) (a soft-capped or scaled head):
         every feature-based method and the engine's verification compute logits that way. One short forward."""
+        self._need_layers(what)
         ids = torch.arange(4, device=self.device)[None] % self.vocab_size
         final = {}
 
@@ -345,6 +431,7 @@ class Verifier(nn.Module):
         one short forward: two documents packed in one row against the second computed alone. Checked once."""
         if getattr(self, "_documents_checked", False):
             return
+        self._need_layers(what)
         V = self.vocab_size
         first = (torch.arange(5, device=self.device) * 7 + 3) % V
         second = (torch.arange(6, device=self.device) * 11 + 5) % V
@@ -376,6 +463,7 @@ class Verifier(nn.Module):
         attention_mask: transformers then masks attention at the document boundaries (it does so only when no
         attention_mask is given); rows are right-padded, and the padding is a document of its own or the end of
         the row's only one, so no real token attends to it either way."""
+        self._need_layers("computing features")
         layer_ids = list(layer_ids)
         self.check_layer_ids(layer_ids)
         if position_ids is not None:
@@ -388,7 +476,20 @@ class Verifier(nn.Module):
         return VerifierFeatures(final=final, layers=[captured[i] for i in layer_ids], logits=logits)
 
     def forward(self, *args, **kwargs):
+        self._need_layers("a forward")
         return self.model(*args, **kwargs)
+
+    def _need_layers(self, what: str) -> None:
+        if self.head_only:
+            raise VerifierError(f"verifier {self.name!r} was loaded head-only (embedding, lm_head and final norm: "
+                                f"what training on cached features reads); {what} needs its layers: load it with "
+                                "Verifier.from_pretrained")
+
+    def held_bytes(self) -> int:
+        """Bytes of the weights and buffers this verifier holds in memory (meta tensors hold none; a tied tensor
+        counts once)."""
+        tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        return sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type != "meta")
 
 
 def check_drafter_matches(stored: dict, verifier: Verifier, drafter_path: str | os.PathLike,

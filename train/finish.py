@@ -62,18 +62,20 @@ def check_exported_drafter(accelerator, cfg: RunConfig, drafter, verifier, heldo
     check = cfg.consistency
     if not check.enabled:
         return None
-    from draftheads.train.placement import is_sharded
+    from draftheads.train.placement import is_sharded, verifier_sharded_by, whole_verifier
 
     # A verifier sharded by FSDP (train.placement.shard_verifier) runs only collectively: then every process decodes the
-    # same prompts in lockstep (greedy, so identically) with its own whole copy of the drafter.
-    everywhere = is_sharded(verifier)
+    # same prompts in lockstep (greedy, so identically) with its own whole copy of the drafter. A head-only verifier
+    # (features: offline) is loaded whole for the check only (`whole_verifier`), sharded as it would have been.
+    everywhere = is_sharded(verifier) or (verifier.head_only and verifier_sharded_by(accelerator))
     if everywhere:
         accelerator.wait_for_everyone()  # the main process has written the export
     result, error = None, None
     if accelerator.is_main_process or everywhere:
         try:
             prompts, origin = heldout_prompts(heldout_ds, tokenizer, check.num_prompts, check.prompt_tokens)
-            result = check_export(drafter, cfg.drafter_dir, verifier, prompts, max_new_tokens=check.max_new_tokens,
+            whole = whole_verifier(cfg, verifier, accelerator)  # dropped when this returns
+            result = check_export(drafter, cfg.drafter_dir, whole, prompts, max_new_tokens=check.max_new_tokens,
                                   tolerance=check.tolerance, **options)
         except Exception as err:  # any failure: the other processes must not wait for a verdict forever
             error = err

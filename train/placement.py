@@ -1,6 +1,7 @@
 """Where the frozen verifier lives during a run, and how whole weights come back for export.
 
-    verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)   # whole, or FSDP-sharded layer by layer
+    verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)   # whole, FSDP-sharded, or head-only
+    whole = whole_verifier(cfg, verifier, accelerator)                          # with its layers, when a check runs it
     full = unsharded(accelerator, model, build)                                 # whole weights for export and checks
 
 The one place where placement depends on the launch backend: under FSDP (fsdp_version 2) the verifier's decoder
@@ -25,6 +26,12 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
     contents, and the checkpoint it would continue from), and the verifier is placed for the launch config
     (`shard_verifier`): under FSDP it is read on the CPU and its decoder layers are sharded onto `device` one at a
     time, so no device ever holds all of it.
+
+    A training run on cached features (`features: offline`, with `accelerator`) never runs the verifier: it gets
+    the verifier head-only (`Verifier.load_head`: the embedding, lm_head and final norm, plus the layers a drafter
+    starts its own from, DFlash's `dflash.init_layers`), and `whole_verifier` loads the rest only for what runs it
+    (the train/serve check at the end). Its head was checked when the cache was dumped (`draftheads dump-features`
+    loads the verifier here without an accelerator, whole).
     """
     from transformers import AutoTokenizer
 
@@ -35,13 +42,12 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
 
         claim_run_inputs(accelerator, cfg)
 
-    shard = accelerator is not None and verifier_sharded_by(accelerator)
-    verifier = Verifier.from_pretrained(cfg.verifier, dtype=cfg.verifier_dtype, device="cpu" if shard else device,
-                                        trust_remote_code=cfg.trust_remote_code)
-    if shard:
-        shard_verifier(verifier, accelerator, device)
-    else:  # Medusa and EAGLE read logits as lm_head(final hidden state); a soft-capped head is refused here
-        verifier.check_head("training a drafter on its features")
+    if accelerator is not None and cfg.features == "offline":
+        layers = getattr(getattr(cfg, "dflash", None), "init_layers", None) or ()  # copied into the drafter
+        verifier = Verifier.load_head(cfg.verifier, dtype=cfg.verifier_dtype, device=device,
+                                      trust_remote_code=cfg.trust_remote_code, layers=sorted(set(layers)))
+    else:
+        verifier = _whole(cfg, device, accelerator)
     check_tokenizer_files(verifier.path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(verifier.path, trust_remote_code=cfg.trust_remote_code)
@@ -60,6 +66,36 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
             f"tokenizer of {str(verifier.path)!r} has {len(tokenizer)} tokens but the verifier's vocab_size is "
             f"{verifier.vocab_size}; the tokenizer does not belong to this model")
     return verifier, tokenizer
+
+
+def _whole(cfg: RunConfig, device, accelerator=None):
+    """The verifier with its layers, placed for the launch config (FSDP: sharded over the processes)."""
+    from draftheads.models.verifier import Verifier
+
+    shard = accelerator is not None and verifier_sharded_by(accelerator)
+    verifier = Verifier.from_pretrained(cfg.verifier, dtype=cfg.verifier_dtype, device="cpu" if shard else device,
+                                        trust_remote_code=cfg.trust_remote_code)
+    if shard:
+        shard_verifier(verifier, accelerator, device)
+    else:  # Medusa and EAGLE read logits as lm_head(final hidden state); a soft-capped head is refused here
+        verifier.check_head("training a drafter on its features")
+    return verifier
+
+
+def whole_verifier(cfg: RunConfig, verifier, accelerator):
+    """`verifier` itself when it holds its layers; for a head-only one (`load_verifier` under features: offline)
+    the whole verifier, loaded now and placed as `load_verifier` places it (under FSDP sharded: then collective,
+    every process calls it). The caller drops it when done, so the layers are held only while something runs
+    them. Refuses a verifier whose files changed since the run loaded its head (another fingerprint)."""
+    from draftheads.models.verifier import VerifierError
+
+    if not verifier.head_only:
+        return verifier
+    whole = _whole(cfg, accelerator.device, accelerator)
+    if whole.fingerprint != verifier.fingerprint:
+        raise VerifierError(f"verifier {verifier.name!r} changed during the run (fingerprint {verifier.fingerprint} "
+                            f"when training started, {whole.fingerprint} now); train again on one verifier")
+    return whole
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt", "tiktoken.model")

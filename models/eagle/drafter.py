@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftheads.data.documents import causal_document_mask, is_packed, same_document
-from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, step_weights, token_loss
+from draftheads.models.draft_losses import masked_mean, step_weights
 from draftheads.models.eagle.config import EagleConfig, EagleError
 from draftheads.models.eagle.layer import (
     OWN_LAYER_FAMILIES,
@@ -20,7 +20,7 @@ from draftheads.models.eagle.layer import (
     norm_scale,
     normal_init,
 )
-from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss
+from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss, step_token_loss
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
 from draftheads.models.eagle.ttt import ttt_attention
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
@@ -455,6 +455,7 @@ class Eagle3Drafter(EagleDrafter):
             if fused:
                 target_p = target_logp.exp()  # (B, T, Vd)
                 target_mass = target_p.sum(-1)
+                target_logp = None  # only p is read from here on
         K = len(outs)
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
         valid = torch.zeros_like(correct)
@@ -469,7 +470,10 @@ class Eagle3Drafter(EagleDrafter):
                 step_losses.append(outs[0].sum() * 0)
                 step_alpha.append(zero)
                 continue
-            logits = self.logits(out[:, :n])  # (B, n, Vd)
+            # the norm, lm_head and loss in chunks of positions, recomputed in backward: no (B, n, Vd) tensor kept
+            step = step_token_loss(self.logits, out[:, :n], (target_p if fused else target_logp)[:, 1 + k:T - 1],
+                                   self.cfg.loss, self.cfg.lk_eta, target_mass[:, 1 + k:T - 1] if fused else None,
+                                   topk=self.cfg.align_topk if align else 1)
             scored, trained = self.loss_positions(loss_mask, position_ids, in_draft, k)  # (B, n)
             if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
@@ -477,23 +481,16 @@ class Eagle3Drafter(EagleDrafter):
                 trained = trained & kept[:, :n]
             if align:
                 trained = trained & aligned[:, :n]
-            if fused:
-                per_position = soft_cross_entropy(logits, target_p[:, 1 + k:T - 1], target_mass[:, 1 + k:T - 1])
-                step_alpha.append(zero)  # unread: the step weights are fixed
-            else:
-                per_position, alpha = token_loss(self.cfg.loss, logits, target_logp[:, 1 + k:T - 1],
-                                                 self.cfg.lk_eta)
-                step_alpha.append(masked_mean(alpha, trained))
-            step_losses.append(masked_mean(per_position, trained))
+            # fused: the step weights are fixed, alpha unread
+            step_alpha.append(zero if fused else masked_mean(step.alpha, trained))
+            step_losses.append(masked_mean(step.per_position, trained))
             with torch.no_grad():
-                draft = logits.max(-1).indices  # argmax (the first maximum), about 2x faster on a CPU
-                correct[k, :, :n] = self.to_target_ids(draft) == target_ids[:, 1 + k:T - 1]
+                correct[k, :, :n] = self.to_target_ids(step.argmax) == target_ids[:, 1 + k:T - 1]
                 valid[k, :, :n] = scored
                 if align:  # the chain from t goes on past step k iff the verifier's argmax is drafted
                     hit = correct[k, :, :n]
-                    if self.cfg.align_topk > 1:
-                        top = logits.topk(min(self.cfg.align_topk, logits.shape[-1]), dim=-1).indices
-                        hit = (self.to_target_ids(top) == target_ids[:, 1 + k:T - 1, None]).any(-1)
+                    if step.top is not None:  # align_topk > 1
+                        hit = (self.to_target_ids(step.top) == target_ids[:, 1 + k:T - 1, None]).any(-1)
                     aligned[:, :n] &= hit
         weights = step_weights(self.cfg.step_weights, K, self.cfg.decay, torch.stack(step_alpha)).to(zero.device)
         loss = (weights * torch.stack(step_losses)).sum()

@@ -1,0 +1,86 @@
+"""Verifier.load_head: what training on cached features holds of the verifier (embedding, lm_head, final norm),
+read by name from the safetensors files, equal to the whole model's tensors, with the same fingerprint."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftheads.models.verifier import Verifier, VerifierError
+from tests.utils import save_tiny_verifier
+
+
+def held(verifier) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer not on the meta device, by name (a tied tensor under each of its names)."""
+    named = [*verifier.model.named_parameters(remove_duplicate=False), *verifier.model.named_buffers()]
+    return {name: t for name, t in named if t.device.type != "meta"}
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen2", True)])
+def test_head_holds_embedding_lm_head_and_norm_only(tmp_path, family, tied):
+    folder = save_tiny_verifier(tmp_path / "v", family, tie_word_embeddings=tied)
+    whole = Verifier.from_pretrained(folder, dtype="bfloat16")
+    head = Verifier.load_head(folder, dtype="bfloat16", device="cpu")
+    assert head.head_only and not whole.head_only
+    names = set(held(head))
+    assert names == {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"}
+    assert not any(".layers." in n for n, p in head.model.named_parameters() if p.device.type != "meta")
+    for name, tensor in held(head).items():
+        assert tensor.dtype == torch.bfloat16 and not tensor.requires_grad
+        assert torch.equal(tensor, whole.model.get_parameter(name)), name
+    assert (head.lm_head.weight is head.embed_tokens.weight) == tied
+    H, V = head.hidden_size, head.vocab_size
+    assert head.held_bytes() == 2 * (V * H * (1 if tied else 2) + H)
+    assert head.held_bytes() < whole.held_bytes() / 3
+    assert head.describe() == whole.describe()  # name, fingerprint and shapes: what runs and exports record
+    assert (head.device, head.dtype, head.num_layers, head.default_eagle3_layers()) == (
+        whole.device, whole.dtype, whole.num_layers, whole.default_eagle3_layers())
+
+
+def test_head_refuses_what_runs_the_layers(llama_dir):
+    head = Verifier.load_head(llama_dir, dtype="float32")
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    for call in (lambda: head.features(ids), lambda: head(ids), head.check_head, head.check_document_mask):
+        with pytest.raises(VerifierError, match="loaded head-only .* needs its layers: load it with "
+                                                "Verifier.from_pretrained"):
+            call()
+
+
+def test_head_with_layers_reads_them_too(llama_dir):
+    whole = Verifier.from_pretrained(llama_dir, dtype="float32")
+    head = Verifier.load_head(llama_dir, dtype="float32", layers=[2])
+    assert {n for n in held(head) if ".layers." in n} == {f"model.layers.2.{n}" for n, _ in
+                                                          whole.layers[2].named_parameters()}
+    for name, p in head.layers[2].named_parameters():
+        assert torch.equal(p, whole.layers[2].get_parameter(name))
+    with pytest.raises(VerifierError, match=r"layers=\[9\]: \[9\] out of range"):
+        Verifier.load_head(llama_dir, layers=[9])
+
+
+def test_head_reads_a_sharded_checkpoint(tmp_path, llama_dir):
+    """Tensors spread over several files (an index json beside them, as hub checkpoints are) are found by name."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    (folder / "config.json").write_text((llama_dir / "config.json").read_text())
+    tensors = load_file(llama_dir / "model.safetensors")
+    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if "lm_head" not in k},
+              "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if "lm_head" in k}}
+    for name, part in shards.items():
+        save_file(part, folder / name, metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}))
+    head = Verifier.load_head(folder, dtype="float32")
+    assert torch.equal(head.lm_head.weight, tensors["lm_head.weight"])
+    assert torch.equal(head.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+    assert head.fingerprint == Verifier.from_pretrained(folder, dtype="float32").fingerprint
+
+
+def test_head_names_a_missing_tensor(tmp_path, llama_dir):
+    folder = tmp_path / "v"
+    folder.mkdir()
+    (folder / "config.json").write_text((llama_dir / "config.json").read_text())
+    tensors = load_file(llama_dir / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, folder / "model.safetensors")
+    with pytest.raises(VerifierError, match=r"no tensor 'lm_head.weight' in its safetensors files"):
+        Verifier.load_head(folder)
