@@ -54,10 +54,11 @@ def hold_out_folder(out: str, kind: str = "eval"):
     from draftheads.models.outputs import OutputInTheWay, claim_output
 
     folder = Path(out)
-    try:
-        claim_output(folder, kind, "--out")
-    except OutputInTheWay as err:
-        raise UsageError(str(err)) from None
+    if not (folder / LOCK_FILE).is_file():  # a folder another eval holds is named as in use, by its lock below
+        try:
+            claim_output(folder, kind, "--out")
+        except OutputInTheWay as err:
+            raise UsageError(str(err)) from None
     created, held = not folder.exists(), False
     try:
         try:
@@ -67,8 +68,12 @@ def hold_out_folder(out: str, kind: str = "eval"):
         except FolderInUse as err:
             raise UsageError(f"--out {out} is in use by another draftheads eval or tune ({err.holder}); wait for it "
                              "to end or use another --out (nothing it wrote was touched)") from None
-        except OSError:  # a file in the way, a folder that cannot be made: check_args names it
+        except OSError:  # a folder that cannot be made: check_args names it
             pass
+        try:
+            claim_output(folder, kind, "--out")
+        except OutputInTheWay as err:
+            raise UsageError(str(err)) from None
         yield
     finally:
         if held:

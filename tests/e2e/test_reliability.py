@@ -683,6 +683,29 @@ def verifier_bad_config(tmp):
 DUMP = ["draftheads", "dump-features"]
 RECHECK = ["draftheads", "recheck"]
 
+def run_and_peer(tmp):
+    """A finished-looking training run folder, and another trainer's drafter folder to import."""
+    write(tmp / "run" / "run.json", "{}")
+    write(tmp / "run" / "config.yaml", "verifier: x\n")
+    write(tmp / "run" / "step-000003" / "COMPLETE", "")
+    write(tmp / "run" / "drafter" / "config.json", json.dumps({"draftheads": {"method": "eagle3"}}))
+    write(tmp / "peer" / "config.json", json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+
+
+def run_intact(tmp):
+    names = sorted(str(p.relative_to(tmp / "run")) for p in (tmp / "run").rglob("*"))
+    assert names == ["config.yaml", "drafter", "drafter/config.json", "run.json", "step-000003",
+                     "step-000003/COMPLETE"], names
+
+
+def a_cache(tmp):
+    write(tmp / "cache" / "index.json", json.dumps({"format": "draftheads-hidden-states"}))
+
+
+def a_folder_of_notes(tmp):
+    write(tmp / "mine" / "notes.txt", "mine\n")
+
+
 CASES += [
     # ---- every setting in range before anything loads
     Case("learning rate 1e999 (inf)", [*TRAIN, "--train.lr=1e999"], r"train\.lr=inf: expected a finite number > 0",
@@ -895,29 +918,6 @@ CASES += [
                                                              "{tmp}/mine"],
          r"--out .*mine: it holds a folder of 1 other entry \(notes\.txt\)", setup=a_folder_of_notes),
 ]
-
-
-def run_and_peer(tmp):
-    """A finished-looking training run folder, and another trainer's drafter folder to import."""
-    write(tmp / "run" / "run.json", "{}")
-    write(tmp / "run" / "config.yaml", "verifier: x\n")
-    write(tmp / "run" / "step-000003" / "COMPLETE", "")
-    write(tmp / "run" / "drafter" / "config.json", json.dumps({"draftheads": {"method": "eagle3"}}))
-    write(tmp / "peer" / "config.json", json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
-
-
-def run_intact(tmp):
-    names = sorted(str(p.relative_to(tmp / "run")) for p in (tmp / "run").rglob("*"))
-    assert names == ["config.yaml", "drafter", "drafter/config.json", "run.json", "step-000003",
-                     "step-000003/COMPLETE"], names
-
-
-def a_cache(tmp):
-    write(tmp / "cache" / "index.json", json.dumps({"format": "draftheads-hidden-states"}))
-
-
-def a_folder_of_notes(tmp):
-    write(tmp / "mine" / "notes.txt", "mine\n")
 
 
 @contextlib.contextmanager
