@@ -25,7 +25,7 @@ from draftheads.models.eagle import (
     ttt_attention_mask,
 )
 from draftheads.models.verifier import Verifier, VerifierError
-from tests.utils import FAMILIES
+from tests.utils import FAMILIES, unsettle_norms_and_biases
 
 T = 12
 
@@ -43,13 +43,7 @@ def make(verifier, version, seed=0, **overrides):
     if version == 3 and cfg.draft_vocab_size is not None:
         cfg.draft_vocab_size = min(cfg.draft_vocab_size, 100)
     drafter = build_drafter(verifier, cfg, token_counts=counts)
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so a wrong wiring shows
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return drafter.eval()
+    return unsettle_norms_and_biases(drafter).eval()
 
 
 def batch(verifier, drafter, B=2, seed=1):
