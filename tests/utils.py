@@ -101,6 +101,15 @@ def peaked_model(family: str = "llama", seed: int = 0, **overrides):
     return tiny_model(family, seed, **overrides)
 
 
+def peaked_with_references(family: str, prompts: list[list[int]], max_new_tokens: int):
+    """(peaked_model(family), its Verifier, {tuple(prompt): the HF greedy continuation (eos 2) of each prompt})."""
+    from draftheads.models.verifier import Verifier
+
+    model = peaked_model(family)
+    verifier = Verifier(model)
+    return model, verifier, {tuple(p): hf_greedy(model, p, max_new_tokens, eos_token_id=2) for p in prompts}
+
+
 def noisy_copy(model, scale: float = 0.1, seed: int = 1):
     """The same model with Gaussian noise (scale x each matrix's std) on every matrix: a draft model that agrees
     with the original often, not always."""
