@@ -44,6 +44,7 @@ from draftheads.eval.measure.cli_common import (  # shared with eval/measure/tun
     load_tokenizer,
     report_errors,
 )
+from draftheads.models.atomic import folder_problem
 
 ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle", "dflash")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle", "dflash")
@@ -187,14 +188,9 @@ def check_args(args) -> None:
     if not 0 < args.top_p <= 1:
         raise UsageError(f"--top-p {args.top_p}: expected 0 < top_p <= 1")
     out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise UsageError(f"--out {args.out}: a file is in the way; expected a folder (or a path to create)") from None
-    except OSError as err:
-        raise UsageError(f"--out {args.out}: cannot create it ({err.strerror or err})") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {args.out}: not writable by this user; the results would be lost at the end")
+    problem = folder_problem(out, f"--out {args.out}")
+    if problem:
+        raise UsageError(problem)
     args.wandb_mode = None
     if args.wandb:  # no API key, no network, a read-only HOME: settled now, not after the run
         from draftheads.eval.measure.wandb_check import TrackingError, prepare_wandb

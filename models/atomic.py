@@ -13,7 +13,8 @@ being replaced), which is how a caller that holds a lock recognises leftovers of
 
 The one place the project writes files that must not be seen half-written: exports, checkpoints (which add a
 COMPLETE marker and a multi-process protocol on top, train/checkpoint.py), the feature cache, the embedded
-verifier's build, run configs, eval results.
+verifier's build, run configs, eval results. `folder_problem` checks, before any work, that the folder a command
+writes into can be made and written.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ import secrets
 import shutil
 from pathlib import Path
 from typing import Iterator
+
+
+def folder_problem(folder: str | os.PathLike, subject: str) -> str | None:
+    """Create `folder` (with its parents) unless it exists; None when this user can write in it, else one line
+    naming `subject` (the flag or key that gave the folder) and what is wrong."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        return f"{subject}: a file is in the way; expected a folder (or a path to create)"
+    except OSError as err:
+        return f"{subject}: cannot create it ({err.strerror or err})"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{subject}: not writable by this user; what is written there would be lost"
+    return None
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:

@@ -195,19 +195,35 @@ def export_eagle(drafter: EagleDrafter, folder: str | os.PathLike, verifier, tra
     return write_drafter(folder, config, layout.tensors(drafter))
 
 
+def _read_record(config: dict, folder: Path, verifier, section: str, layouts: dict, check_fingerprint: bool):
+    """(the `draftheads` block, its engine) of an export's config.json: the block must have a `verifier` section
+    that matches `verifier` and a method `section`, and name one of `layouts`' engines."""
+    where = str(folder / CONFIG_NAME)
+    meta = read_metadata(config, where)
+    if not isinstance(meta.get("verifier"), dict) or not isinstance(meta.get(section), dict):
+        raise DrafterFormatError(f"{where}: the draftheads block has no `verifier` / `{section}` section")
+    check_drafter_matches(meta["verifier"], verifier, folder, check_fingerprint=check_fingerprint)
+    engine = meta.get("engine", "vllm")
+    if engine not in layouts:
+        raise DrafterFormatError(f"{where}: draftheads.engine is {engine!r}, expected one of {tuple(layouts)}")
+    return meta, engine
+
+
+def _one_dtype(tensors: dict[str, torch.Tensor], where: str) -> torch.dtype:
+    """The one floating-point dtype of an export's weights (a mix is refused)."""
+    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
+    if len(floats) != 1:
+        raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
+    return floats.pop()
+
+
 def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = True) -> EagleDrafter:
     """Read a drafter written by `export_eagle` back exactly, for `verifier` (refused if it is another one)."""
     folder = Path(folder)
     config, tensors = read_drafter(folder, expect_method=("eagle1", "eagle3"))
     where = str(folder / CONFIG_NAME)
     weights = folder / WEIGHTS_NAME
-    meta = read_metadata(config, where)
-    if not isinstance(meta.get("verifier"), dict) or not isinstance(meta.get("eagle"), dict):
-        raise DrafterFormatError(f"{where}: the draftheads block has no `verifier` / `eagle` section")
-    check_drafter_matches(meta["verifier"], verifier, folder, check_fingerprint=check_fingerprint)
-    engine = meta.get("engine", "vllm")
-    if engine not in EAGLE_LAYOUTS:
-        raise DrafterFormatError(f"{where}: draftheads.engine is {engine!r}, expected one of {ENGINES}")
+    meta, engine = _read_record(config, folder, verifier, "eagle", EAGLE_LAYOUTS, check_fingerprint)
     layout = EAGLE_LAYOUTS[engine]
     try:
         cfg = EagleConfig(**meta["eagle"])
@@ -216,10 +232,7 @@ def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = Tr
     if f"eagle{cfg.version}" != meta.get("method"):
         raise DrafterFormatError(f"{where}: method {meta.get('method')!r} but eagle.version {cfg.version}")
 
-    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
-    if len(floats) != 1:
-        raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
-    dtype = floats.pop()
+    dtype = _one_dtype(tensors, where)
     pruned = False
     if cfg.version == 1:
         drafter = Eagle1Drafter(verifier, cfg)
@@ -345,13 +358,7 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     folder = Path(folder)
     config, tensors = read_drafter(folder, expect_method="dflash")
     where, weights = str(folder / CONFIG_NAME), folder / WEIGHTS_NAME
-    meta = read_metadata(config, where)
-    if not isinstance(meta.get("verifier"), dict) or not isinstance(meta.get("dflash"), dict):
-        raise DrafterFormatError(f"{where}: the draftheads block has no `verifier` / `dflash` section")
-    check_drafter_matches(meta["verifier"], verifier, folder, check_fingerprint=check_fingerprint)
-    engine = meta.get("engine", "vllm")
-    if engine not in DFLASH_LAYOUTS:
-        raise DrafterFormatError(f"{where}: draftheads.engine is {engine!r}, expected one of {DFLASH_ENGINES}")
+    meta, engine = _read_record(config, folder, verifier, "dflash", DFLASH_LAYOUTS, check_fingerprint)
     layout = DFLASH_LAYOUTS[engine]
     try:
         cfg = DFlashConfig.from_dict(meta["dflash"], where=f"{where}: draftheads.dflash")
@@ -359,10 +366,7 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     except DFlashError as err:
         raise DrafterFormatError(f"{where}: draftheads.dflash is not a DFlash drafter for this verifier ({err})") \
             from None
-    floats = {v.dtype for v in tensors.values() if v.is_floating_point()}
-    if len(floats) != 1:
-        raise DrafterFormatError(f"{where}: weights mix dtypes {sorted(map(str, floats))}; expected one")
-    drafter = drafter.to(dtype=floats.pop())
+    drafter = drafter.to(dtype=_one_dtype(tensors, where))
     mine = layout.config(drafter, verifier)
     for key in layout.CHECKED_FIELDS:
         if key in mine and config.get(key) != mine[key]:

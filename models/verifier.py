@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftheads.models.placed import Placed
+
 #: Names that resolve to the embedded default verifiers built by `draftheads build-verifier`.
 EMBEDDED_VERIFIERS = {"tiny-code": "default", "tiny-micro": "micro"}
 
@@ -257,9 +259,10 @@ def capture_layer_inputs(layers: nn.ModuleList, layer_ids):
             h.remove()
 
 
-class Verifier(nn.Module):
+class Verifier(Placed, nn.Module):
     """A frozen causal LM. Build with `Verifier.from_pretrained(name_or_path)` or wrap a live model."""
 
+    placed_by = "embed_tokens"
     head_only: bool = False
     """True when only the embedding, lm_head and final norm were loaded (`load_head`): the layers are on the meta
     device and nothing that runs them works."""
@@ -359,14 +362,6 @@ class Verifier(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.decoder.layers
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
 
     def describe(self) -> dict:
         """What a drafter stores about its verifier (and checks on load)."""

@@ -130,14 +130,23 @@ def ensure_drafters(args, needed: set[str]) -> dict[str, str]:
     return found
 
 
-def add_extra_eagle3(entries: list[str], chains: list[int], drafters: dict) -> list[str]:
-    """Register `--eagle3-extra LABEL=DIR` exports as drafters `eagle3:LABEL` with variants eagle3-LABEL-chainK."""
-    added = []
+def extra_exports(method: str, what: str, entries: list[str], drafters: dict) -> list[str]:
+    """The labels of `--{method}-extra LABEL=DIR` entries, each DIR registered as drafter `{method}:LABEL`; an entry
+    that is not LABEL=DIR with config.json in DIR is refused in one line."""
+    labels = []
     for entry in entries:
         label, sep, folder = entry.partition("=")
         if not sep or not label or not (Path(folder) / "config.json").is_file():
-            raise SystemExit(f"--eagle3-extra {entry}: expected LABEL=DIR with an exported drafter in DIR")
-        drafters[f"eagle3:{label}"] = folder
+            raise SystemExit(f"--{method}-extra {entry}: expected LABEL=DIR with {what} in DIR")
+        drafters[f"{method}:{label}"] = folder
+        labels.append(label)
+    return labels
+
+
+def add_extra_eagle3(entries: list[str], chains: list[int], drafters: dict) -> list[str]:
+    """Register `--eagle3-extra LABEL=DIR` exports as drafters `eagle3:LABEL` with variants eagle3-LABEL-chainK."""
+    added = []
+    for label in extra_exports("eagle3", "an exported drafter", entries, drafters):
         for k in chains:
             VARIANTS[f"eagle3-{label}-chain{k}"] = ("eagle", f"eagle3:{label}", {"chain": k})
             added.append(f"eagle3-{label}-chain{k}")
@@ -148,11 +157,7 @@ def add_extra_dflash(entries: list[str], drafters: dict) -> list[str]:
     """Register `--dflash-extra LABEL=DIR` exports (export_dflash) as drafters `dflash:LABEL` with variants
     dflash-LABEL: one block of the drafter's block_size per step (scripts/bench_dflash.sh)."""
     added = []
-    for entry in entries:
-        label, sep, folder = entry.partition("=")
-        if not sep or not label or not (Path(folder) / "config.json").is_file():
-            raise SystemExit(f"--dflash-extra {entry}: expected LABEL=DIR with an exported DFlash drafter in DIR")
-        drafters[f"dflash:{label}"] = folder
+    for label in extra_exports("dflash", "an exported DFlash drafter", entries, drafters):
         VARIANTS[f"dflash-{label}"] = ("dflash", f"dflash:{label}", {})
         added.append(f"dflash-{label}")
     return added

@@ -120,24 +120,21 @@ dflash() {  # dflash NAME [overrides...]: one DFlash drafter (label dflash-NAME)
 for b in $BLOCKS; do
   dflash "b$b" --dflash.block_size="$b"
 done
-for pair in $EXTRA_WINDOWS; do
-  b=${pair%:*} w=${pair#*:}
-  dflash "b${b}w$w" --dflash.block_size="$b" --dflash.sliding_window="$w"
-done
+extra() {  # extra TAG KEY "BLOCK:VALUE ...": per pair, a drafter dflash-b<BLOCK><TAG><VALUE> with dflash.KEY=VALUE
+  local tag=$1 key=$2 pair
+  for pair in $3; do
+    dflash "b${pair%:*}$tag${pair#*:}" --dflash.block_size="${pair%:*}" "--dflash.$key=${pair#*:}"
+  done
+}
+extra w sliding_window "$EXTRA_WINDOWS"
 for pair in $EXTRA_LAYERS; do
   b=${pair%:*} n=${pair#*:}
   types=sliding_attention
   for ((i = 1; i < n; i++)); do types+=,full_attention; done
   dflash "b${b}l$n" --dflash.block_size="$b" --dflash.num_hidden_layers="$n" --dflash.layer_types="[$types]"
 done
-for pair in $EXTRA_ANCHORS; do
-  b=${pair%:*} a=${pair#*:}
-  dflash "b${b}a$a" --dflash.block_size="$b" --dflash.num_anchors="$a"
-done
-for pair in $EXTRA_VOCAB; do
-  b=${pair%:*} v=${pair#*:}
-  dflash "b${b}v$v" --dflash.block_size="$b" --dflash.draft_vocab_size="$v"
-done
+extra a num_anchors "$EXTRA_ANCHORS"
+extra v draft_vocab_size "$EXTRA_VOCAB"
 # every label checked: nothing has started training yet if one of them was refused
 for ((i = 0; i < ${#QUEUE[@]}; i += 3)); do
   label=${QUEUE[i]}

@@ -18,11 +18,10 @@
 # Exit status: 0 when the tests pass and the float32 exactness checks hold.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 MODE=${1:-run}
 start=$SECONDS
 # shellcheck source=scripts/gpu_wheels.sh
-source scripts/gpu_wheels.sh
+source scripts/gpu_wheels.sh  # $PY, the wheels
 
 if [ "$MODE" = "--prepare" ]; then
   # shellcheck disable=SC2086

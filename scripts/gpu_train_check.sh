@@ -17,11 +17,10 @@
 #   the pair alone: GPU_TRAIN_STEPS=N bash scripts/gpu_train_check.sh   # no smoke; N steps each (N >= 4)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 MODE=${1:-run}
 start=$SECONDS
 # shellcheck source=scripts/gpu_wheels.sh
-source scripts/gpu_wheels.sh
+source scripts/gpu_wheels.sh  # $PY, the wheels
 
 if [ -n "${GPU_TRAIN_STEPS:-}" ] && ! { [[ $GPU_TRAIN_STEPS =~ ^[1-9][0-9]*$ ]] && [ "$GPU_TRAIN_STEPS" -ge 4 ]; }; then
   echo "GPU_TRAIN_STEPS='$GPU_TRAIN_STEPS': expected an integer of at least 4 (the budget runs' steps)" >&2

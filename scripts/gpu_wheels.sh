@@ -1,5 +1,7 @@
 # Sourced by scripts/gpu_check.sh and scripts/gpu_train_check.sh: the wheels that travel to a lent GPU machine (no
-# network there) and their install on it. Uses $PY, the Python whose package versions the wheels pin.
+# network there) and their install on it. Sets $PY ($PYTHON, default python3): the Python the checks run with, whose
+# package versions the wheels pin.
+PY=${PYTHON:-python3}
 #
 # The device image (Python 3.12, x86-64) has transformers 5.17 and huggingface_hub 1.33; pyproject needs
 # transformers >= 5.20, which needs hub 2.x (and hub 2.x httpx2, kernels, newer click/regex/tokenizers). Each goes

@@ -17,15 +17,8 @@ want=$( { cat scripts/setup_dflash_reference.sh; echo "$py"; } | sha256sum | cut
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.draftheads-installed" 2>/dev/null || true)" = "$want" ]; then
   exit 0
 fi
-log=$(mktemp "${TMPDIR:-/tmp}/setup_dflash.XXXXXX.log")
-step() {  # step "description" command...: output to the log; on failure one line and exit 1
-  local what=$1; shift
-  echo "== $what: $*" >>"$log"
-  if ! "$@" >>"$log" 2>&1; then
-    echo "[setup_dflash] FAILED: $what ($(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-300)); full log: $log" >&2
-    exit 1
-  fi
-}
+# shellcheck source=scripts/setup_step.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup_step.sh" setup_dflash  # $log and step
 echo "[setup_dflash] installing dflash==$dflash_version into $venv; log: $log"
 rm -f "$venv/.draftheads-installed"
 if [ -e "$venv" ] && ! "$venv/bin/python" -c "" >/dev/null 2>&1; then rm -rf "$venv"; fi

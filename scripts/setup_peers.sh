@@ -29,17 +29,8 @@ specforge_deps=(datasets tqdm accelerate huggingface-hub numpy openai-harmony py
 peers=("$@")
 [ ${#peers[@]} -gt 0 ] || peers=(speculators specforge)
 
-log=$(mktemp "${TMPDIR:-/tmp}/setup_peers.XXXXXX.log")
-step() {  # step "description" command...: run it with output to the log; on failure one line and exit 1
-  local what=$1; shift
-  echo "== $what: $*" >>"$log"
-  if ! "$@" >>"$log" 2>&1; then
-    local last
-    last=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-300)
-    echo "[setup_peers] FAILED: $what ($last); full log: $log" >&2
-    exit 1
-  fi
-}
+# shellcheck source=scripts/setup_step.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup_step.sh" setup_peers  # $log and step
 command -v "$py" >/dev/null 2>&1 || { echo "[setup_peers] FAILED: $py not found (set PEERS_PYTHON to a Python 3.11)" >&2; exit 1; }
 constraints=$(mktemp "${TMPDIR:-/tmp}/peers-constraints.XXXXXX.txt")
 echo "torch==$torch_version" >"$constraints"

@@ -18,15 +18,8 @@ if [ -x "$root/venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null || true)" = "
   echo "[setup_sglang] $root is ready (stamp $want)"
   exit 0
 fi
-log=$(mktemp "${TMPDIR:-/tmp}/setup_sglang.XXXXXX.log")
-step() {
-  local what=$1; shift
-  echo "== $what: $*" >>"$log"
-  if ! "$@" >>"$log" 2>&1; then
-    echo "[setup_sglang] FAILED: $what ($(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-300)); full log: $log" >&2
-    exit 1
-  fi
-}
+# shellcheck source=scripts/setup_step.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup_step.sh" setup_sglang  # $log and step
 command -v "$py" >/dev/null 2>&1 || { echo "[setup_sglang] FAILED: $py not found (set SGLANG_PYTHON)" >&2; exit 1; }
 echo "[setup_sglang] making $root (SGLang 0.5.23's loader on a CPU; ~2.2 min, 2.5 GB); log: $log"
 rm -f "$stamp"

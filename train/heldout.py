@@ -2,6 +2,9 @@
 turned into rates once (one host sync per evaluation).
 
     sums = heldout_sums(accelerator, model, eval_dl, max_batches, measure)   # measure(batch) -> {name: device tensor}
+
+A chain drafter (EAGLE, DFlash: draft steps scored as `StepCounts`) measures `chain_sums` and reads its rates with
+`chain_eval_values`.
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from draftheads.models.eagle import StepCounts
+from draftheads.train.tracking import log_table
 
 
 @torch.no_grad()
@@ -34,3 +40,27 @@ def heldout_sums(accelerator, model, eval_dl, max_batches: int,
     if not sums:
         return {}
     return accelerator.reduce(sums, reduction="sum")
+
+
+def chain_sums(out, counts: StepCounts) -> dict[str, torch.Tensor]:
+    """What a chain drafter's held-out batch adds to the sums: the loss and per-step losses of its forward `out`,
+    and the per-step `counts`."""
+    return {"loss": out.loss, "step_losses": out.step_losses, "correct": counts.correct, "valid": counts.valid,
+            "chain_correct": counts.chain_correct, "chain_valid": counts.chain_valid}
+
+
+def chain_eval_values(accelerator, sums: dict[str, torch.Tensor], step: int, unit: str,
+                      first: int) -> tuple[dict[str, float], list[float]]:
+    """The rates of summed `chain_sums`: eval/loss (per batch), eval/accept_length (simulated) and, per draft `unit`
+    (`step`, `position`) numbered from `first`, eval/acc_n, eval/cond_acc_n and eval/cum_acc_n, which are also
+    logged as the table eval/per_{unit}. Returns the values and the accuracies (one host sync)."""
+    summary = StepCounts(sums["correct"], sums["valid"], sums["chain_correct"], sums["chain_valid"]).summary()
+    acc, cond, cum = (summary[k].tolist() for k in ("acc", "cond_acc", "cum_acc"))  # the sync point
+    values = {"eval/loss": float(sums["loss"] / sums["batches"]),
+              "eval/accept_length": float(summary["accept_length"])}
+    for k in range(len(acc)):
+        n = k + first
+        values.update({f"eval/acc_{n}": acc[k], f"eval/cond_acc_{n}": cond[k], f"eval/cum_acc_{n}": cum[k]})
+    log_table(accelerator, f"eval/per_{unit}", [unit, "acc", "cond_acc", "cum_acc"],
+              [[k + first, acc[k], cond[k], cum[k]] for k in range(len(acc))], step=step)
+    return values, acc

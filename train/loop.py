@@ -10,6 +10,7 @@ method:
             accelerator.backward(loss)
             loop.step(loss, metrics)                 # optimizer step on gradient-sync micro-batches
     loop.finish()
+    loop.final_evaluation()                          # unless the last step ran one (EAGLE, DFlash)
 
 Held-out evaluation is the trainer's `evaluate` callback (built on train/heldout.py), and `loop.summary()` is what
 a run reports at the end. The other pieces of a run live beside this file, one concern each: tracking.py (the
@@ -78,6 +79,7 @@ class TrainLoop:
         self.accelerator, self.cfg = accelerator, cfg
         self.model, self.optimizer, self.scheduler, self.train_dl = model, optimizer, scheduler, train_dl
         self.evaluate = evaluate
+        self.evaluated_at: int | None = None
         self.clip_params = clip_params
         self.state = TrainState()
         self.output_dir = Path(cfg.output_dir)
@@ -177,9 +179,18 @@ class TrainLoop:
         if state.step % cfg.train.log_every == 0 or state.step == cfg.train.max_steps:
             self._log()
         if cfg.train.eval_every and state.step % cfg.train.eval_every == 0 and self.evaluate:
-            self.log(self.evaluate())
+            self._run_evaluation()
         if cfg.train.save_every and state.step % cfg.train.save_every == 0 and not self._consecutive_bad:
             self.save()  # never in the middle of a non-finite streak: the newest checkpoint stays a good one
+
+    def _run_evaluation(self) -> None:
+        self.evaluated_at = self.state.step
+        self.log(self.evaluate())
+
+    def final_evaluation(self) -> None:
+        """The end-of-run held-out evaluation (the trainer's `evaluate`, logged), unless the last step ran one."""
+        if self.evaluate and self.evaluated_at != self.state.step:
+            self._run_evaluation()
 
     def _log(self) -> None:
         if not self._count:

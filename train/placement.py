@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from draftheads.models.dtypes import to_dtype
 from draftheads.train.config import ConfigError, RunConfig
 
 
@@ -205,3 +206,10 @@ def unsharded(accelerator, model: torch.nn.Module, build: Callable[[], torch.nn.
     copy = build().to(accelerator.device)
     copy.load_state_dict({k: v.to(accelerator.device) for k, v in state.items()})
     return copy.train(inner.training)
+
+
+def export_drafter(accelerator, model: torch.nn.Module, dtype: str, build: Callable[[], torch.nn.Module]):
+    """The trained `.drafter` of `model` (a train module) with whole weights (`unsharded`; `build` makes a fresh train
+    module like the trained one), cast to the export `dtype`; None where `unsharded` gives none. Training is over."""
+    full = unsharded(accelerator, model, build)
+    return full.drafter.to(to_dtype(dtype)) if full is not None else None

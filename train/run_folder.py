@@ -36,7 +36,6 @@ filesystem the lock is as good as its fcntl locks; NFS v4 and Lustre honour them
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import time
@@ -45,7 +44,7 @@ from pathlib import Path
 import yaml
 
 from draftheads.data.identity import input_changes
-from draftheads.models.atomic import FolderInUse, lock_folder, write_json
+from draftheads.models.atomic import FolderInUse, folder_problem, lock_folder, write_json
 from draftheads.train.checkpoint import RUN_FILE, resolve_resume
 from draftheads.train.config import ConfigError, config_dict, save_config
 
@@ -219,14 +218,9 @@ def move_aside(folder: Path) -> Path | None:
 
 
 def check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"output_dir={str(folder)!r} is a file; expected a folder (or a path to create)") from None
-    except OSError as err:
-        raise ConfigError(f"output_dir={str(folder)!r}: cannot create it ({err.strerror or err})") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"output_dir={str(folder)!r} is not writable by this user")
+    problem = folder_problem(folder, f"output_dir={str(folder)!r}")
+    if problem:
+        raise ConfigError(problem)
 
 
 def claim(cfg) -> str:

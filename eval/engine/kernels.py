@@ -110,6 +110,16 @@ def _block(V: int, limit: int) -> int:
     return min(_pow2(V, 16), limit)
 
 
+def _walk_setup(draft_tokens: torch.Tensor, tree: Tree, target: torch.Tensor, mode: str):
+    """(B, N, N1, V, the tree expanded to B rows, kernel module, launch options, block limit) for an acceptance walk
+    over draft_tokens (B, N) and the verifier's `target` (B, N+1, V); shapes checked."""
+    B, N = draft_tokens.shape
+    N1, V = target.shape[1], target.shape[2]
+    _check_shapes(draft_tokens, tree, N1)
+    k, opts, limit = _launch(mode)
+    return B, N, N1, V, tree.expand(B), k, opts, limit
+
+
 # ---- acceptance --------------------------------------------------------------------------------------------------
 def greedy_accept(draft_tokens: torch.Tensor, tree: Tree, target_logits: torch.Tensor,
                   backend: str = "auto") -> Acceptance:
@@ -118,12 +128,8 @@ def greedy_accept(draft_tokens: torch.Tensor, tree: Tree, target_logits: torch.T
     mode = kernel_mode(draft_tokens.device, backend)
     if mode == "torch":
         return greedy_tree(draft_tokens, tree, target_logits)
-    B, N = draft_tokens.shape
-    N1, V = target_logits.shape[1], target_logits.shape[2]
-    _check_shapes(draft_tokens, tree, N1)
-    tree = tree.expand(B)
+    B, N, N1, V, tree, k, opts, limit = _walk_setup(draft_tokens, tree, target_logits, mode)
     dev, D = draft_tokens.device, tree.max_depth
-    k, opts, limit = _launch(mode)
     logits = target_logits.reshape(B * N1, V)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -148,12 +154,8 @@ def sample_accept(draft_tokens: torch.Tensor, tree: Tree, draft_probs: torch.Ten
     mode = kernel_mode(draft_tokens.device, backend)
     if mode == "torch":
         return sample_tree(draft_tokens, tree, draft_probs, target_probs, uniform, noise)
-    B, N = draft_tokens.shape
-    N1, V = target_probs.shape[1], target_probs.shape[2]
-    _check_shapes(draft_tokens, tree, N1)
-    tree = tree.expand(B)
+    B, N, N1, V, tree, k, opts, limit = _walk_setup(draft_tokens, tree, target_probs, mode)
     dev, D = draft_tokens.device, tree.max_depth
-    k, opts, limit = _launch(mode)
     tprobs = target_probs.float().contiguous()
     dprobs = draft_probs.float().contiguous() if draft_probs is not None else tprobs  # unused when None
     children = tree.children

@@ -37,6 +37,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from draftheads.models.placed import Placed
+
 #: Model types whose decoder layers this runtime drives (same layer signature; Qwen2/Mistral sliding windows are
 #: honoured through the mask).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -153,19 +155,12 @@ def check_supported(model: nn.Module, what: str = "verifier") -> None:
         )
 
 
-class RunnerBase:
+class RunnerBase(Placed):
     """What both runners (this one and eval/engine/generic_runtime.py's) expose besides forward: device and dtype, read
     off the model's input embedding table (`embed_tokens`, set by the subclass)."""
 
     embed_tokens: nn.Module
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+    placed_by = "embed_tokens"
 
 
 class ModelRunner(RunnerBase):

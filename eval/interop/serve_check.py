@@ -118,6 +118,20 @@ def detect_method(folder: Path) -> tuple[str | None, bool]:
                      "--method")
 
 
+def serve_speculators(subject: Subject, config: dict, verifier, k: int) -> None:
+    """A speculators folder is served as `vllm serve DRAFTER` when its own proposal drafts k tokens beside this
+    verifier (`subject.serve_drafter`); otherwise as a speculative_config, which a note says."""
+    spec = config["speculators_config"]
+    tokens = (spec.get("proposal_methods") or [{}])[0].get("speculative_tokens")
+    named = (spec.get("verifier") or {}).get("name_or_path")
+    here = named is not None and Path(str(named)).resolve() == Path(verifier.path).resolve()
+    subject.serve_drafter = tokens == k and here
+    if not subject.serve_drafter:
+        subject.notes.append(f"served as speculative_config {{method: {subject.method}, model: the folder}} (its own "
+                             f"proposal drafts {tokens} tokens beside {named!r}; this check drafts {k} beside "
+                             "--verifier)")
+
+
 def read_eagle3(folder: Path, verifier, k: int, dtype: str) -> Subject:
     """An EAGLE-3 folder of any trainer: vLLM's reading, the training record, and our drafters for both."""
     import torch
@@ -136,15 +150,7 @@ def read_eagle3(folder: Path, verifier, k: int, dtype: str) -> Subject:
         subject.options["parallel_drafting"] = True
         subject.notes.append("a parallel drafter: served with speculative_config parallel_drafting: true")
     if ins.kind == "speculators":  # served as `vllm serve DRAFTER` when that drafts k tokens beside this verifier
-        spec = config["speculators_config"]
-        tokens = (spec.get("proposal_methods") or [{}])[0].get("speculative_tokens")
-        named = (spec.get("verifier") or {}).get("name_or_path")
-        here = named is not None and Path(str(named)).resolve() == Path(verifier.path).resolve()
-        subject.serve_drafter = tokens == k and here
-        if not subject.serve_drafter:
-            subject.notes.append(f"served as speculative_config {{method: eagle3, model: the folder}} (its own "
-                                 f"proposal drafts {tokens} tokens beside {named!r}; this check drafts {k} beside "
-                                 "--verifier)")
+        serve_speculators(subject, config, verifier, k)
     torch_dtype = getattr(torch, dtype)
     try:
         subject.served = ins.served.drafter(verifier, torch_dtype)
@@ -213,15 +219,7 @@ def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
     if trained is not None:
         subject.findings = dflash_findings(served, trained)
     if config.get("speculators_config") is not None:
-        spec = config["speculators_config"]
-        tokens = (spec.get("proposal_methods") or [{}])[0].get("speculative_tokens")
-        named = (spec.get("verifier") or {}).get("name_or_path")
-        here = named is not None and Path(str(named)).resolve() == Path(verifier.path).resolve()
-        subject.serve_drafter = tokens == k and here
-        if not subject.serve_drafter:
-            subject.notes.append(f"served as speculative_config {{method: dflash, model: the folder}} (its own "
-                                 f"proposal drafts {tokens} tokens beside {named!r}; this check drafts {k} beside "
-                                 "--verifier)")
+        serve_speculators(subject, config, verifier, k)
     if served.block_size and k != served.block_size - 1:
         subject.notes.append(f"-k {k}: vLLM drafts a block of {k + 1}, the drafter was trained on blocks of "
                              f"{served.block_size} (serve with num_speculative_tokens {served.block_size - 1})")

@@ -180,6 +180,12 @@ def write_plots(summary: dict, out_dir: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    def save(fig, path: Path) -> Path:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
     out_dir = Path(out_dir)
     paths = []
     spec = {k: v for k, v in summary.items() if v.get("accepted_length_histogram") and v.get("max_depth")}
@@ -196,10 +202,7 @@ def write_plots(summary: dict, out_dir: Path) -> list[Path]:
     ax.set_title("Accepted length")
     if spec:
         ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / PLOTS[0])
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out_dir / PLOTS[0]))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, row in spec.items():
@@ -211,10 +214,7 @@ def write_plots(summary: dict, out_dir: Path) -> list[Path]:
     ax.set_title("Per-position acceptance")
     if spec:
         ax.legend()
-    fig.tight_layout()
-    paths.append(out_dir / PLOTS[1])
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out_dir / PLOTS[1]))
 
     fig, ax = plt.subplots(figsize=(7, 0.5 * len(summary) + 1.5))
     labels = list(summary)
@@ -228,10 +228,7 @@ def write_plots(summary: dict, out_dir: Path) -> list[Path]:
     ax.set_xlabel("new tokens / s")
     ax.set_title("Throughput (speedup over autoregressive)")
     ax.set_xlim(0, max(values + [1.0]) * 1.2)
-    fig.tight_layout()
-    paths.append(out_dir / PLOTS[2])
-    fig.savefig(paths[-1], dpi=110)
-    plt.close(fig)
+    paths.append(save(fig, out_dir / PLOTS[2]))
     return paths
 
 

@@ -56,6 +56,7 @@ from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_conte
 from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.losses import dflash_loss
+from draftheads.models.placed import Placed
 from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab, target_to_draft
@@ -104,9 +105,11 @@ class _Held:
         self.__dict__.update(modules)
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(Placed, nn.Module):
     """See the module docstring. Build with `build_drafter(verifier, cfg)` (or `DFlashDrafter(resolved_cfg)` for a
     bare model, then `attach(verifier)` to read its embedding and lm_head)."""
+
+    placed_by = "fc"
 
     def __init__(self, cfg: DFlashConfig, verifier=None, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
@@ -147,14 +150,6 @@ class DFlashDrafter(nn.Module):
         return self
 
     # ---- handles -------------------------------------------------------------------------------------------------
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
     @property
     def block_size(self) -> int:
         return self.cfg.block_size

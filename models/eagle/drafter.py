@@ -22,12 +22,15 @@ from draftheads.models.eagle.layer import (
 )
 from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss, step_token_loss
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
+from draftheads.models.placed import Placed
 from draftheads.models.eagle.ttt import ttt_attention
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
 
 
-class EagleDrafter(nn.Module):
+class EagleDrafter(Placed, nn.Module):
     """The layer and attention both EAGLE versions share; see the module docstring for the inference API."""
+
+    placed_by = "fc"
 
     version: int
     parallel: bool = False  # EAGLE-3 sets it from eagle.parallel
@@ -71,14 +74,6 @@ class EagleDrafter(nn.Module):
     @property
     def layer(self) -> nn.Module:
         return self.layers[0]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
 
     @property
     def feature_layers(self) -> list[int]:

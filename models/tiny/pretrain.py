@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from draftheads.models.schedule import warmup_cosine
-from draftheads.models.tiny.muon import Muon
+from draftheads.models.muon import Muon
 from draftheads.models.tiny.recipe import Recipe
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 #: Bumped whenever the build code changes what a recipe produces; part of the recorded recipe hash.
-BUILDER_VERSION = 3  # 3: Muon orthogonalises in fp32 where bf16 is not native (models/tiny/muon.py)
+BUILDER_VERSION = 3  # 3: Muon orthogonalises in fp32 where bf16 is not native (models/muon.py)
 BUILD_INFO = "draftheads_build.json"
 
 EOS = "<|endoftext|>"

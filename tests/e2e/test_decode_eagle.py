@@ -6,6 +6,8 @@ equals a slow reference that reruns the drafter without a cache for every candid
 rejections equals a fresh forward over the committed tokens; sampling at T=1 is lossless (chi-square).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from draftheads.eval.drafters import make_drafter
 from draftheads.eval.engine.protocol import Sampling
 from draftheads.models.export import export_eagle
 from draftheads.models.verifier import Verifier
-from tests.utils import FAMILIES, fit_eagle, greedy_corpus, hf_greedy, peaked_model
+from tests.utils import FAMILIES, fit_eagle, greedy_corpus, hf_greedy, peaked_with_references
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,17 +38,12 @@ def fitted(model, verifier, version, seed=1):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """Per (family, version): the peaked verifier, HF greedy references and the exported drafter folder."""
-    cache = {}
-
+    @functools.cache
     def get(family, version):
-        if (family, version) not in cache:
-            model = peaked_model(family)
-            verifier = Verifier(model)
-            refs = {tuple(p): hf_greedy(model, p, MAX_NEW, eos_token_id=2) for ps in PROMPTS.values() for p in ps}
-            folder = tmp_path_factory.mktemp(f"eagle-{family}-{version}")
-            export_eagle(fitted(model, verifier, version), folder, verifier)
-            cache[family, version] = (model, verifier, refs, folder)
-        return cache[family, version]
+        model, verifier, refs = peaked_with_references(family, [p for ps in PROMPTS.values() for p in ps], MAX_NEW)
+        folder = tmp_path_factory.mktemp(f"eagle-{family}-{version}")
+        export_eagle(fitted(model, verifier, version), folder, verifier)
+        return model, verifier, refs, folder
 
     return get
 

@@ -10,10 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftheads.models.dflash import DFlashConfig, build_drafter
-from draftheads.models.verifier import Verifier
-from tests.dflash_reference import greedy_decode, write_case
-from tests.utils import tiny_model
+from tests.dflash_reference import NEW_TOKENS, PROMPT, greedy_decode, lively_case
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = ROOT / ".venv-dflash" / "bin" / "python"
@@ -32,10 +29,6 @@ def reference_ready():
 
 pytestmark = pytest.mark.usefixtures("reference_ready")
 
-PROMPT = [1, 0, 2, 2, 1, 0]
-NEW_TOKENS = 40
-
-
 def run_reference(case: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -46,22 +39,7 @@ def run_reference(case: Path) -> dict:
 
 
 def test_reference_equality(tmp_path):
-    # A 4-token vocabulary and a lively random target (init 0.5, seed 1): random drafts are accepted often enough
-    # that the accepted counts vary from step to step (1 to the whole block), so comparing them can fail.
-    target = tiny_model("qwen3", seed=1, num_layers=6, vocab_size=4, initializer_range=0.5)
-    verifier = Verifier(target)
-    torch.manual_seed(0)
-    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=4, mask_token_id=3)).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.3)
-    g = torch.Generator().manual_seed(0)
-    n, N, H = 5, drafter.block_size, drafter.cfg.hidden_size
-    inputs = {"target_hidden": torch.randn(2, n, 2 * H, generator=g),
-              "noise_embedding": torch.randn(2, N, H, generator=g),
-              "position_ids": torch.arange(3, 3 + n + N)[None].expand(2, -1)}
-    case = write_case(tmp_path / "case", drafter, inputs, target,
-                      {"input_ids": PROMPT, "max_new_tokens": NEW_TOKENS, "stop": None})
+    target, _, drafter, inputs, case = lively_case(tmp_path / "case", rows=2, first_position=3)
     ref = run_reference(case)
 
     with torch.no_grad():
@@ -73,4 +51,4 @@ def test_reference_equality(tmp_path):
     output, produced = greedy_decode(drafter, target, torch.tensor([PROMPT]), NEW_TOKENS)
     assert output[0].tolist() == ref["output_ids"].tolist()
     assert produced == ref["acceptance_lengths"].tolist()
-    assert len(set(produced)) > 2 and max(produced) == N  # the counts vary: a wrong drafter would show
+    assert len(set(produced)) > 2 and max(produced) == drafter.block_size  # counts vary: a wrong drafter shows

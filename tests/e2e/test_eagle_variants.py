@@ -8,6 +8,7 @@ output equals Hugging Face greedy decoding (Llama, Qwen2, Mistral; batch 1 and r
 drafting, greedy output is exact, and the export carries fc_norm.{0,1,2} and the two flags.
 """
 
+import functools
 import json
 
 import pytest
@@ -20,7 +21,7 @@ from draftheads.eval.drafters import make_drafter
 from draftheads.models.eagle import EagleConfig, EagleError, build_drafter
 from draftheads.models.export import check_eagle_engine, export_eagle, load_eagle
 from draftheads.models.verifier import Verifier
-from tests.utils import FAMILIES, fit_eagle, greedy_corpus, hf_greedy, peaked_model
+from tests.utils import FAMILIES, fit_eagle, greedy_corpus, peaked_with_references
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -49,18 +50,13 @@ def fitted(model, verifier, variant, seed=1):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    cache = {}
-
+    @functools.cache
     def get(family, variant):
-        if (family, variant) not in cache:
-            model = peaked_model(family)
-            verifier = Verifier(model)
-            refs = {tuple(p): hf_greedy(model, p, MAX_NEW, eos_token_id=2) for p in PROMPTS}
-            folder = tmp_path_factory.mktemp(f"{variant}-{family}")
-            drafter = fitted(model, verifier, variant)
-            export_eagle(drafter, folder, verifier)
-            cache[family, variant] = (model, verifier, refs, folder, drafter)
-        return cache[family, variant]
+        model, verifier, refs = peaked_with_references(family, PROMPTS, MAX_NEW)
+        folder = tmp_path_factory.mktemp(f"{variant}-{family}")
+        drafter = fitted(model, verifier, variant)
+        export_eagle(drafter, folder, verifier)
+        return model, verifier, refs, folder, drafter
 
     return get
 

@@ -39,23 +39,23 @@ def text_rows(tmp_path_factory):
     return path
 
 
-def medusa_args(inputs, output_dir, *extra):
-    verifier_dir, source = inputs  # (verifier folder, data source)
-    return ["--config", str(ROOT / "configs/medusa-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
+def run_args(config: str, max_steps: int, inputs, output_dir) -> list[str]:
+    """A short run of the tiny `config` on `inputs` (verifier folder, data source) into output_dir."""
+    verifier_dir, source = inputs
+    return ["--config", str(ROOT / "configs" / config), f"--verifier={verifier_dir}", f"--data.source={source}",
             f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
-            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=5", "--train.save_every=0",
-            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1",
-            "--medusa.num_heads=2", "--medusa.tree_budget=4", "--medusa.loss=distill", *extra]
+            "--data.eval_rows=2", "--train.batch_size=2", f"--train.max_steps={max_steps}", "--train.save_every=0",
+            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1"]
+
+
+def medusa_args(inputs, output_dir, *extra):
+    return [*run_args("medusa-tiny.yaml", 5, inputs, output_dir), "--medusa.num_heads=2", "--medusa.tree_budget=4",
+            "--medusa.loss=distill", *extra]
 
 
 def eagle3_args(inputs, output_dir, *extra):
-    verifier_dir, source = inputs  # (verifier folder, data source)
-    return ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
-            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
-            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=4", "--train.save_every=0",
-            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=2", "--train.warmup_steps=1",
-            "--train.mixed_precision=no", "--eagle.ttt_steps=2", "--eagle.draft_vocab_size=200",
-            "--eagle.layer_ids=null", *extra]
+    return [*run_args("eagle3-tiny.yaml", 4, inputs, output_dir), "--train.mixed_precision=no", "--eagle.ttt_steps=2",
+            "--eagle.draft_vocab_size=200", "--eagle.layer_ids=null", *extra]
 
 
 def medusa_cfg(*args):

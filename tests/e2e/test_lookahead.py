@@ -3,6 +3,7 @@ and a ragged batch of 3, several W/N/G), the Jacobi window's outputs are exactly
 node's guessed sequence (the combined attention mask), sampling at T=1 is lossless (chi-square), and the loops that
 cannot carry the window say so."""
 
+import functools
 import warnings
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from draftheads.eval import SpeculativeDecoder
 from draftheads.eval.drafters import make_drafter
 from draftheads.models.verifier import Verifier
-from tests.utils import FAMILIES, hf_greedy, peaked_model, tiny_model
+from tests.utils import FAMILIES, peaked_with_references, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -23,13 +24,10 @@ OPTIONS = {"default": {}, "W5-N4-G3": dict(window=5, ngram_size=4, guesses=3),
 
 @pytest.fixture(scope="module")
 def models():
-    cache = {}
-
+    @functools.cache
     def get(family):
-        if family not in cache:
-            model = peaked_model(family)
-            cache[family] = (model, Verifier(model), [hf_greedy(model, p, MAX_NEW, eos_token_id=2) for p in PROMPTS])
-        return cache[family]
+        model, verifier, refs = peaked_with_references(family, PROMPTS, MAX_NEW)
+        return model, verifier, [refs[tuple(p)] for p in PROMPTS]
 
     return get
 

@@ -175,7 +175,7 @@ CASES = [
     Case("Medusa-2 from cached features", [*MEDUSA, "--medusa.joint=true", "--features=offline",
                                            "--feature_cache={tmp}"], r"medusa.joint=true"),
     # ---- trainer: the run folder
-    Case("output_dir is a file", TRAIN, r"output_dir=.*run' is a file", setup=a_file),
+    Case("output_dir is a file", TRAIN, r"output_dir=.*run': a file is in the way", setup=a_file),
     Case("output_dir cannot be created", [*TRAIN[:5], "--output_dir=/proc/draftheads/run", *TRAIN[6:]],
          r"output_dir='/proc/draftheads/run': cannot create it"),
     Case("rerun of a finished run with other settings", [*TRAIN, "--train.lr=0.01"],

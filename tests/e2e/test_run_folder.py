@@ -94,7 +94,7 @@ def test_one_run_per_folder_and_a_stale_lock_is_taken_over(tmp_path):
 
 def test_output_dir_that_is_a_file_or_read_only(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match="is a file; expected a folder"):
+    with pytest.raises(ConfigError, match="a file is in the way; expected a folder"):
         claim(tmp_path / "file")
     locked = tmp_path / "ro"
     locked.mkdir()
@@ -102,7 +102,7 @@ def test_output_dir_that_is_a_file_or_read_only(tmp_path):
     try:
         if os.access(locked, os.W_OK):  # root ignores permissions: nothing to check here
             pytest.skip("running as a user that can write anywhere")
-        with pytest.raises(ConfigError, match="is not writable"):
+        with pytest.raises(ConfigError, match="not writable by this user"):
             claim(locked)
     finally:
         locked.chmod(0o700)

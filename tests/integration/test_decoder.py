@@ -1,6 +1,8 @@
 """The decoder end to end: greedy output equals the verifier's plain greedy decoding, for every method, chain and
 tree, batch 1 and ragged batch 3; KV rollback leaves exactly the accepted tokens; EOS and errors."""
 
+import functools
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from draftheads.eval.drafters import make_drafter
 from draftheads.eval.drafters.ngram import ngram_lookup
 from draftheads.eval.engine.protocol import Sampling
 from draftheads.models.verifier import Verifier
-from tests.utils import FAMILIES, hf_greedy, noisy_copy, peaked_model, save_tiny_verifier
+from tests.utils import FAMILIES, hf_greedy, noisy_copy, peaked_model, peaked_with_references, save_tiny_verifier
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,16 +30,8 @@ METHODS = {
 @pytest.fixture(scope="module")
 def family_setup():
     """Per family: the peaked verifier, and HF greedy references for every prompt."""
-    cache = {}
-
-    def get(family):
-        if family not in cache:
-            model = peaked_model(family)
-            refs = {tuple(p): hf_greedy(model, p, MAX_NEW, eos_token_id=2) for ps in PROMPTS.values() for p in ps}
-            cache[family] = (model, Verifier(model), refs)
-        return cache[family]
-
-    return get
+    return functools.cache(lambda family: peaked_with_references(family, [p for ps in PROMPTS.values() for p in ps],
+                                                                 MAX_NEW))
 
 
 @pytest.mark.parametrize("method", list(METHODS))

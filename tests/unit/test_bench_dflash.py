@@ -23,33 +23,26 @@ def refusal(tmp_path, variable: str, value: str) -> str:
     return proc.stderr.strip()
 
 
-@pytest.mark.parametrize("value, bad", [("8:8 16", "16"), ("8-8", "8-8"), ("b8:8", "b8:8"), ("8:", "8:")])
-def test_malformed_extra_windows_are_refused_in_one_line(tmp_path, value, bad):
-    assert refusal(tmp_path, "DFLASH_EXTRA_WINDOWS", value) == (
-        f"DFLASH_EXTRA_WINDOWS: '{bad}': expected BLOCK:WINDOW pairs of integers separated by spaces, e.g. '8:8 16:16'")
+# each pair variable: (its BLOCK:VALUE name and what the value must be, its example, (value, the part refused) cases)
+PAIRS = {
+    "DFLASH_EXTRA_WINDOWS": ("BLOCK:WINDOW pairs of integers", "'8:8 16:16'",
+                             [("8:8 16", "16"), ("8-8", "8-8"), ("b8:8", "b8:8"), ("8:", "8:")]),
+    "DFLASH_EXTRA_LAYERS": ("BLOCK:LAYERS pairs of integers (2 layers or more)", "'4:3'",
+                            [("4:3 8", "8"), ("4:1", "4:1"), ("4:0", "4:0"), ("4-3", "4-3"), ("4:l3", "4:l3")]),
+    "DFLASH_EXTRA_ANCHORS": ("BLOCK:ANCHORS pairs of integers (1 anchor or more)", "'4:128'",
+                             [("4:128 8", "8"), ("4:0", "4:0"), ("4:064", "4:064"), ("4-128", "4-128"),
+                              ("4:a128", "4:a128")]),
+    "DFLASH_EXTRA_VOCAB": ("BLOCK:VOCAB pairs of integers (a vocabulary of 1 token or more)", "'5:2048'",
+                           [("5:2048 8", "8"), ("5:0", "5:0"), ("5-2048", "5-2048"), ("5:v2048", "5:v2048")]),
+}
 
 
-@pytest.mark.parametrize("value, bad", [("4:3 8", "8"), ("4:1", "4:1"), ("4:0", "4:0"), ("4-3", "4-3"),
-                                        ("4:l3", "4:l3")])
-def test_malformed_extra_layers_are_refused_in_one_line(tmp_path, value, bad):
-    assert refusal(tmp_path, "DFLASH_EXTRA_LAYERS", value) == (
-        f"DFLASH_EXTRA_LAYERS: '{bad}': expected BLOCK:LAYERS pairs of integers (2 layers or more) separated by "
-        "spaces, e.g. '4:3'")
-
-
-@pytest.mark.parametrize("value, bad", [("4:128 8", "8"), ("4:0", "4:0"), ("4:064", "4:064"), ("4-128", "4-128"),
-                                        ("4:a128", "4:a128")])
-def test_malformed_extra_anchors_are_refused_in_one_line(tmp_path, value, bad):
-    assert refusal(tmp_path, "DFLASH_EXTRA_ANCHORS", value) == (
-        f"DFLASH_EXTRA_ANCHORS: '{bad}': expected BLOCK:ANCHORS pairs of integers (1 anchor or more) separated by "
-        "spaces, e.g. '4:128'")
-
-
-@pytest.mark.parametrize("value, bad", [("5:2048 8", "8"), ("5:0", "5:0"), ("5-2048", "5-2048"), ("5:v2048", "5:v2048")])
-def test_malformed_extra_vocab_is_refused_in_one_line(tmp_path, value, bad):
-    assert refusal(tmp_path, "DFLASH_EXTRA_VOCAB", value) == (
-        f"DFLASH_EXTRA_VOCAB: '{bad}': expected BLOCK:VOCAB pairs of integers (a vocabulary of 1 token or more) "
-        "separated by spaces, e.g. '5:2048'")
+@pytest.mark.parametrize("variable, value, bad", [(variable, value, bad) for variable, (_, _, cases) in PAIRS.items()
+                                                  for value, bad in cases])
+def test_malformed_extra_pairs_are_refused_in_one_line(tmp_path, variable, value, bad):
+    expected, example, _ = PAIRS[variable]
+    assert refusal(tmp_path, variable, value) == (
+        f"{variable}: '{bad}': expected {expected} separated by spaces, e.g. {example}")
 
 
 @pytest.mark.parametrize("value", ["0", "3k", "-800", "800 "])

@@ -25,7 +25,7 @@ from draftheads.models.eagle import (
     ttt_attention_mask,
 )
 from draftheads.models.verifier import Verifier, VerifierError
-from tests.utils import FAMILIES
+from tests.utils import FAMILIES, unsettle_norms_and_biases
 
 T = 12
 
@@ -43,13 +43,7 @@ def make(verifier, version, seed=0, **overrides):
     if version == 3 and cfg.draft_vocab_size is not None:
         cfg.draft_vocab_size = min(cfg.draft_vocab_size, 100)
     drafter = build_drafter(verifier, cfg, token_counts=counts)
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so a wrong wiring shows
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return drafter.eval()
+    return unsettle_norms_and_biases(drafter).eval()
 
 
 def batch(verifier, drafter, B=2, seed=1):
@@ -61,6 +55,14 @@ def batch(verifier, drafter, B=2, seed=1):
 
 def step0_hidden(drafter, feats):
     return drafter.project_features(feats.layers if drafter.version == 3 else [feats.final])
+
+
+def step0_inputs(verifier, version):
+    """A `make` drafter, the ids of a `batch` and their step-0 hidden states (no grad)."""
+    drafter = make(verifier, version)
+    ids, feats = batch(verifier, drafter)
+    with torch.no_grad():
+        return drafter, ids, step0_hidden(drafter, feats)
 
 
 # ---- TTT attention -------------------------------------------------------------------------------------------
@@ -128,11 +130,8 @@ def slow_ttt(drafter, ids, hidden, steps):
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("version", [1, 3])
 def test_ttt_unroll_matches_slow_reference(verifiers, family, version):
-    verifier = verifiers[family]
-    drafter = make(verifier, version)
-    ids, feats = batch(verifier, drafter)
+    drafter, ids, hidden = step0_inputs(verifiers[family], version)
     with torch.no_grad():
-        hidden = step0_hidden(drafter, feats)
         fast = drafter.ttt_unroll(ids, hidden, steps=4)
         slow = slow_ttt(drafter, ids, hidden, steps=4)
     for k, (a, b) in enumerate(zip(fast, slow)):
@@ -192,11 +191,8 @@ def test_chain_counts_score_the_drafted_chains(verifiers, version):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("version", [1, 3])
 def test_incremental_equals_full_forward(verifiers, family, version):
-    verifier = verifiers[family]
-    drafter = make(verifier, version)
-    ids, feats = batch(verifier, drafter)
+    drafter, ids, hidden = step0_inputs(verifiers[family], version)
     with torch.no_grad():
-        hidden = step0_hidden(drafter, feats)
         full, (k_full, v_full) = drafter(ids, hidden)
         prefix = 5
         out, cache = drafter(ids[:, :prefix], hidden[:, :prefix])
@@ -209,7 +205,7 @@ def test_incremental_equals_full_forward(verifiers, family, version):
     torch.testing.assert_close(cache[0], k_full, atol=1e-5, rtol=1e-5)
     assert cache[0].shape == (2, drafter.num_kv_heads, T, drafter.head_dim)
     torch.testing.assert_close(drafter.logits(inc), drafter.logits(full), atol=1e-4, rtol=1e-4)
-    width = verifier.vocab_size if version == 1 else drafter.draft_vocab_size
+    width = verifiers[family].vocab_size if version == 1 else drafter.draft_vocab_size
     assert drafter.logits(full).shape == (2, T, width)
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from draftheads.models.eagle import EagleConfig, EagleError, build_drafter
 from draftheads.models.export import DrafterFormatError, export_eagle, load_eagle
 from draftheads.models.verifier import Verifier, VerifierError
-from tests.utils import FAMILIES, save_tiny_verifier
+from tests.utils import FAMILIES, save_tiny_verifier, unsettle_norms_and_biases
 
 T = 10
 H, V, I, KV, D = 64, 256, 128, 2, 16  # tiny verifier: hidden, vocab, intermediate, kv heads, head dim
@@ -28,13 +28,7 @@ def make(verifier, version, dtype=None, **kw):
     counts = torch.randint(0, 50, (verifier.vocab_size,))
     cfg = EagleConfig(version=version, draft_vocab_size=100, **kw)
     drafter = build_drafter(verifier, cfg, token_counts=counts if version == 3 else None, dtype=dtype)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("bias"):
-                p.normal_(0, 0.1)
-    return drafter.eval()
+    return unsettle_norms_and_biases(drafter).eval()
 
 
 def read(folder):

@@ -103,19 +103,25 @@ def test_medusa_loss_matches_slow_reference(mode):
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
 
 
+def shifted_heads(source: torch.Tensor, K: int, offset_of_k) -> torch.Tensor:
+    """(K, B, T, V) head logits: head k at t is source[:, t + offset_of_k(k)] (B, T, V), zero past the row's end."""
+    B, T, V = source.shape
+    logits = torch.zeros(K, B, T, V)
+    for k in range(K):
+        for t in range(T):
+            s = t + offset_of_k(k)
+            if 0 <= s < T:
+                logits[k, :, t] = source[:, s]
+    return logits
+
+
 def test_labels_loss_offsets_only_the_right_one_is_zero():
     """Head k at t is scored against token t+k+2: logits that point at t+k+2 give zero loss, t+k+1 / t+k+3 do not."""
     ids, mask, _ = _batch(T=12, V=13)
     K, (B, T), V = 3, ids.shape, 13
 
     def pointing_at(offset_of_k):
-        logits = torch.zeros(K, B, T, V)
-        for k in range(K):
-            for t in range(T):
-                s = t + offset_of_k(k)
-                if 0 <= s < T:
-                    logits[k, :, t] = 100.0 * F.one_hot(ids[:, s], V)
-        return logits
+        return shifted_heads(100.0 * F.one_hot(ids, V).float(), K, offset_of_k)
 
     right, _ = medusa_loss(pointing_at(lambda k: k + 2), ids, mask)
     assert right.item() < 1e-6
@@ -131,13 +137,7 @@ def test_distill_loss_offsets_only_the_right_one_is_zero():
     verifier_logits = 3 * torch.randn(B, T, V, generator=g)
 
     def copying(offset_of_k):
-        logits = torch.zeros(K, B, T, V)
-        for k in range(K):
-            for t in range(T):
-                s = t + offset_of_k(k)
-                if 0 <= s < T:
-                    logits[k, :, t] = verifier_logits[:, s]
-        return logits
+        return shifted_heads(verifier_logits, K, offset_of_k)
 
     right, _ = medusa_loss(copying(lambda k: k + 1), ids, mask, "distill", verifier_logits)
     assert right.item() < 1e-6

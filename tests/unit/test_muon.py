@@ -1,4 +1,4 @@
-"""models/tiny/muon.py: torch.optim.Muon's update with the orthogonalisation in bf16 (torch's, to the bit) or fp32,
+"""models/muon.py: torch.optim.Muon's update with the orthogonalisation in bf16 (torch's, to the bit) or fp32,
 and the build's choice between them following the machine."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from draftheads.models.tiny import get_recipe, make_optimizers, pretrain
-from draftheads.models.tiny.muon import Muon, newton_schulz
+from draftheads.models.muon import Muon, newton_schulz
 
 SHAPES = [(24, 8), (8, 24), (16, 16)]
 
