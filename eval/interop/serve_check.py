@@ -67,6 +67,8 @@ class Report:
     """Per prompt: whether the accepted counts per verification step are the same in both engines."""
     drafts: int = 0
     notes: list[str] = field(default_factory=list)
+    not_run: str | None = None
+    """Why the folder was not run in vLLM at all (a layout this machine's vLLM cannot serve, unreadable weights)."""
 
     @property
     def passed(self) -> bool:
@@ -90,6 +92,8 @@ class Subject:
     options: dict = field(default_factory=dict)
     serve_drafter: bool = False
     notes: list[str] = field(default_factory=list)
+    not_here: str | None = None
+    """Why vLLM cannot serve this folder on this machine (said before vLLM starts; nothing is run in it)."""
 
 
 def detect_method(folder: Path) -> tuple[str | None, bool]:
@@ -206,10 +210,11 @@ def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
     except DrafterFormatError as err:
         return Subject("dflash", "unknown", unjudged=str(err))
     served = dflash_reading(config, tensors, verifier)
+    subject_not_here = mixed_layers_not_here(served.layer_types)
     block = config.get("draftheads") or {}
     kind = "draftheads" if block.get("method") == "dflash" else \
         "speculators" if config.get("speculators_config") is not None else "dflash"
-    subject = Subject("dflash", kind)
+    subject = Subject("dflash", kind, not_here=subject_not_here)
     trained = None
     if kind == "draftheads":
         try:
@@ -239,6 +244,40 @@ def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
         except (DFlashError, RuntimeError) as err:
             subject.notes.append(f"the drafter as trained is not decoded here: {err}")
     return subject
+
+
+def unreadable_weights(folder: Path) -> str | None:
+    """Why no engine could read the folder's weights (missing, a safetensors file that does not open), else None."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return f"{folder} has no .safetensors weights"
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    f.get_slice(key).get_shape()
+        except Exception as err:  # safetensors raises its own error types for a bad header
+            return f"{path}: unreadable safetensors file ({err})"
+        size = path.stat().st_size
+        if size < 8:
+            return f"{path}: {size} bytes, not a safetensors file"
+    return None
+
+
+def mixed_layers_not_here(layer_types: list[str]) -> str | None:
+    """vLLM serves a DFlash drafter whose layers mix sliding and full attention only with its V2 model runner
+    (several KV-cache groups: vllm/config/vllm.py refuses it on V1), and V2 needs a Triton GPU backend, which vLLM's
+    CPU build does not have; None when this machine can serve the layout."""
+    import torch
+
+    sliding = sum(t == "sliding_attention" for t in layer_types)
+    if not 0 < sliding < len(layer_types) or torch.cuda.is_available():
+        return None
+    return (f"layer_types {layer_types} mix sliding and full attention, which vLLM serves only with its V2 model "
+            "runner (VLLM_USE_V2_MODEL_RUNNER=1), and V2 needs a Triton GPU backend that vLLM's CPU build lacks: "
+            "run serve-check on a GPU, or train with one kind of layer (dflash.layer_types) to check it here")
 
 
 def dflash_findings(served, trained) -> list[str]:
@@ -317,14 +356,23 @@ def check(verifier, drafts: list[str], prompts: list[list[int]], max_new_tokens:
         if subject.trained is not None:
             trained = decode_ours(verifier, subject.trained, vllm_method, prompts, max_new_tokens, k)[1]
         reports.append(report)
+        unreadable = unreadable_weights(folder)
+        if subject.not_here is not None or unreadable is not None:
+            # nothing vLLM could show: the layout cannot run here, or the folder's weights cannot be read at all
+            report.not_run = subject.not_here or unreadable
+            say(f"[serve-check] {draft}: not run in vLLM: {report.not_run}")
+            continue
         runs.append((ours, trained))
         cases.append(VllmCase(folder.name, str(verifier.path), str(folder), vllm_method, batches=[prompts], k=k,
                               dtype=dtype, max_tokens=max_new_tokens, serve_drafter=subject.serve_drafter,
                               max_model_len=max(map(len, prompts)) + max_new_tokens + 2 * k + 8,
                               speculative_options=subject.options))
+    if not cases:
+        return reports
     say(f"[serve-check] running {len(cases)} drafter(s) in vLLM")
     result = run_vllm(cases)
-    for report, (ours, trained), theirs in zip(reports, runs, result["cases"]):
+    to_run = [r for r in reports if r.not_run is None]
+    for report, (ours, trained), theirs in zip(to_run, runs, result["cases"]):
         report.loaded = theirs["ok"]
         if not theirs["ok"]:
             report.error = theirs.get("error")
@@ -349,6 +397,9 @@ def render(report: Report, k: int) -> list[str]:
     lines += [f"   DISAGREES {f}" for f in report.findings]
     if report.unjudged is not None:
         lines.append(f"   not decoded here: {report.unjudged}")
+    if report.not_run is not None:
+        lines.append(f"VERDICT {report.draft}: NOT JUDGED - not run in vLLM: {report.not_run}")
+        return lines
     if not report.loaded:
         lines.append(f"   vLLM REFUSED it: {report.error}")
         lines.append(f"VERDICT {report.draft}: FAIL - vLLM does not load this drafter"
