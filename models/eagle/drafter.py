@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftheads.data.documents import causal_document_mask, is_packed, same_document
+from draftheads.data.documents import causal_document_mask, document_ids, is_packed, same_document
 from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, step_weights, token_loss
 from draftheads.models.eagle.config import EagleConfig, EagleError
 from draftheads.models.eagle.layer import (
@@ -217,17 +217,15 @@ class EagleDrafter(nn.Module):
         packed rows (restarting per document) every step attends inside its position's document only."""
         steps = self.cfg.ttt_steps if steps is None else steps
         B, T = input_ids.shape
-        documents = self.document_mask(position_ids)  # (B, 1, T, T) or None: one document per row
+        documents = document_ids(position_ids) if is_packed(position_ids) else None  # (B, T); None: one per row
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
         for k in range(steps):
             ids_k, hidden = self._step_inputs(input_ids, hidden, k)
 
-            def attend(q, kk, vv, k=k):  # the unroll's cache: every step's keys/values so far
+            def attend(q, kk, vv):  # the unroll's cache: every step's keys/values so far
                 keys.append(kk)
                 values.append(vv)
-                if k == 0:
-                    return self._attend(q, kk, vv, documents, causal=True)
                 # the step-0 prefix causally (inside the document), plus this position's own chain of keys
                 return ttt_attention(q, keys, values, documents).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
 
