@@ -49,6 +49,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from draftheads.data.documents import same_document
 from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_context_mask, block_inputs, block_targets,
@@ -229,11 +230,16 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The layers over a block (B, N, H) at position_ids (B, N), attention by `attend`; final-normed output."""
+        """The layers over a block (B, N, H) at position_ids (B, N), attention by `attend`; final-normed output.
+        With dflash.checkpoint_layers in training, each layer (and its `attend`) runs again in the backward."""
         hidden = noise_embedding.to(self.dtype)
         cos, sin = self._rope(position_ids.expand(hidden.shape[0], -1), hidden)
+        checkpointed = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attend)
+            if checkpointed:  # only the layer's input kept; the layer runs again in the backward
+                hidden = checkpoint(layer, hidden, cos, sin, attend, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, attend)
         return self.norm(hidden)
 
     def forward(self, position_ids: torch.Tensor, attention_mask=None, noise_embedding: torch.Tensor | None = None,
