@@ -114,31 +114,126 @@ class Attention(nn.Module):
         B, _, N, _ = out.shape
         return out.transpose(1, 2).reshape(B, N, -1)
 
-    def attend_blocks(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
-                      v: torch.Tensor, context_mask: torch.Tensor, own_mask: torch.Tensor) -> torch.Tensor:
+    def attend_ranges(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
+                      v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, own_mask: torch.Tensor,
+                      chunk: int | None = None) -> torch.Tensor:
         """Training's attention for A blocks of N tokens side by side, the anchored block mask's without scoring
-        the (A-1)*N keys of other blocks that it hides: each block token attends to the context keys
-        `context_mask` allows and to its own block's keys `own_mask` allows, in one softmax over both.
-        q (B, nh, A*N, d); context_kv (B, nkv, T, d) each; k/v (B, nkv, A*N, d) the blocks'; context_mask
-        (B, 1, A*N, T) bool; own_mask (N, N) bool (True = attend). -> (B, A*N, nh*d), equal to `attend` with
-        `anchored_block_mask` (to float rounding) at T + N keys per query instead of T + A*N."""
+        the (A-1)*N keys of other blocks that it hides, nor the context keys past a block's anchor: each block token
+        attends to its context range lo <= s < hi (`anchored_context_ranges`, (B, A*N) each) and to its own
+        block's keys `own_mask` (N, N) allows, in one softmax over both. The context goes through
+        `range_attention` (query chunks, scores recomputed in the backward), the own block is scored in full, the
+        two merged by their log-sum-exp. q (B, nh, A*N, d); context_kv (B, nkv, T, d) each; k/v (B, nkv, A*N, d)
+        the blocks'. Kept for the backward: q, k, v, the context's output and log-sum-exp and the (A, N, N) own
+        scores, nothing (A*N, T). -> (B, A*N, nh*d), equal to `attend` with `anchored_block_mask` (to float
+        rounding)."""
         groups = self.num_heads // self.num_kv_heads
         kc, vc = context_kv
-        if groups > 1:
-            kc, vc, k, v = (t.repeat_interleave(groups, dim=1) for t in (kc, vc, k, v))
         B, nh, AN, d = q.shape
         N = own_mask.shape[0]
-        A, T = AN // N, kc.shape[2]
+        A = AN // N
         acc = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 (fp64 for an fp64 drafter)
-        hide = torch.finfo(acc).min  # a row always keeps its own token (own_mask's diagonal)
-        q = q * self.scaling  # scaled before the products: (A*N, d) multiplications, not (A*N, T + N)
-        scores_context = torch.matmul(q, kc.transpose(-1, -2)).to(acc).masked_fill(~context_mask, hide)
-        qb, kb = q.view(B, nh, A, N, d), k.reshape(B, nh, A, N, d)
-        scores_own = torch.matmul(qb, kb.transpose(-1, -2)).to(acc).masked_fill(~own_mask, hide)
-        p = torch.softmax(torch.cat([scores_context.view(B, nh, A, N, T), scores_own], dim=-1), dim=-1).to(q.dtype)
-        out = (torch.matmul(p[..., :T].reshape(B, nh, AN, T), vc)
-               + torch.matmul(p[..., T:], v.reshape(B, nh, A, N, d)).view(B, nh, AN, d))
-        return out.transpose(1, 2).reshape(B, AN, nh * d)
+        o_context, lse_context = range_attention(q, kc, vc, lo, hi, self.scaling, chunk)  # (B,nh,AN,d), (B,nh,AN)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        qb, kb, vb = (t.reshape(B, nh, A, N, d) for t in (q, k, v))
+        scores_own = torch.matmul(qb * self.scaling, kb.transpose(-1, -2)).to(acc).masked_fill(~own_mask, -torch.inf)
+        lse = torch.logaddexp(lse_context.view(B, nh, A, N), torch.logsumexp(scores_own, -1))  # (B, nh, A, N)
+        p_own = (scores_own - lse[..., None]).exp()  # (B, nh, A, N, N)
+        out = ((lse_context.view(B, nh, A, N) - lse).exp()[..., None] * o_context.view(B, nh, A, N, d).to(acc)
+               + torch.matmul(p_own, vb.to(acc))).to(q.dtype)  # (B, nh, A, N, d)
+        return out.view(B, nh, AN, d).transpose(1, 2).reshape(B, AN, nh * d)
+
+
+#: the elements of one query chunk's (B, heads, rows, keys) fp32 scores in `range_attention` (64 MiB; about four
+#: such tensors live in its backward)
+CHUNK_ELEMENTS = 1 << 24
+
+
+def range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                    scale: float, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over one contiguous range of keys, and its log-sum-exp, in memory linear in the
+    keys: q (B, nh, M, d), k/v (B, nkv, S, d) (nh a multiple of nkv), lo/hi (B, M) int, query i seeing keys
+    lo_i <= s < hi_i. -> out (B, nh, M, d) in q's dtype (0 where the range is empty), lse (B, nh, M) fp32 (fp64 for
+    fp64 q; -inf where empty), both differentiable. Queries go in chunks of `chunk` rows (None: CHUNK_ELEMENTS
+    scores), each over the keys its rows reach; the backward recomputes each chunk's scores from the log-sum-exp."""
+    return _RangeAttention.apply(q, k, v, lo, hi, scale, chunk)
+
+
+class _RangeAttention(torch.autograd.Function):
+    """Plain torch on any device; grouped kv heads are read in place (the G query heads of a kv head stacked)."""
+
+    @staticmethod
+    def _chunks(lo, hi, B, nh, M, S, chunk):
+        """[(a, b, key_lo, key_hi)]: query rows a..b-1 over the keys any of them sees (one host sync)."""
+        rows = chunk or max(16, CHUNK_ELEMENTS // max(1, B * nh * S))
+        starts = list(range(0, M, rows))
+        pad = len(starts) * rows - M
+        lows = F.pad(lo, (0, pad), value=S).view(B, -1, rows).amin((0, 2))
+        highs = F.pad(hi, (0, pad), value=0).view(B, -1, rows).amax((0, 2))
+        return [(a, min(a + rows, M), kl, kh) for a, kl, kh in zip(starts, lows.tolist(), highs.tolist())]
+
+    @staticmethod
+    def _scores(q, k, lo, hi, scale, key_lo):
+        """The chunk's queries stacked per kv head (B, nkv, G*c, d) and their masked scores (B, nkv, G, c, S')."""
+        B, nh, c, d = q.shape
+        nkv, S = k.shape[1], k.shape[2]
+        exact = torch.promote_types(q.dtype, torch.float32)
+        qg = q.to(exact).reshape(B, nkv, -1, d)
+        s = torch.matmul(qg, k.to(exact).transpose(-1, -2)).mul_(scale).view(B, nkv, -1, c, S)
+        keys = torch.arange(key_lo, key_lo + S, device=q.device)
+        hidden = (keys < lo[:, :, None]) | (keys >= hi[:, :, None])  # (B, c, S')
+        return qg, s.masked_fill_(hidden[:, None, None], float("-inf"))
+
+    @staticmethod
+    def forward(ctx, q, k, v, lo, hi, scale, chunk):
+        B, nh, M, d = q.shape
+        nkv = k.shape[1]
+        exact = torch.promote_types(q.dtype, torch.float32)
+        out = torch.zeros(B, nh, M, d, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, nh, M), float("-inf"), dtype=exact, device=q.device)
+        plan = _RangeAttention._chunks(lo, hi, B, nh, M, k.shape[2], chunk)
+        for a, b, key_lo, key_hi in plan:
+            if key_hi <= key_lo:
+                continue  # no query of the chunk sees a key
+            _, s = _RangeAttention._scores(q[:, :, a:b], k[:, :, key_lo:key_hi], lo[:, a:b], hi[:, a:b], scale,
+                                           key_lo)
+            chunk_lse = torch.logsumexp(s, -1)  # (B, nkv, G, c); -inf on an empty row
+            p = s.sub_(chunk_lse.nan_to_num(neginf=0.0)[..., None]).exp_().view(B, nkv, -1, key_hi - key_lo)
+            out[:, :, a:b] = torch.matmul(p, v[:, :, key_lo:key_hi].to(exact)).view(B, nh, b - a, d)
+            lse[:, :, a:b] = chunk_lse.view(B, nh, b - a)
+        ctx.save_for_backward(q, k, v, lo, hi, out, lse)
+        ctx.scale, ctx.plan = scale, plan
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, lo, hi, out, lse = ctx.saved_tensors
+        B, nh, M, d = q.shape
+        nkv = k.shape[1]
+        exact = lse.dtype
+        dq = torch.zeros(B, nh, M, d, dtype=exact, device=q.device)
+        dk = torch.zeros(B, nkv, k.shape[2], d, dtype=exact, device=q.device)
+        dv = torch.zeros_like(dk)
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+        for a, b, key_lo, key_hi in ctx.plan:
+            if key_hi <= key_lo:
+                continue
+            S, c = key_hi - key_lo, b - a
+            qg, s = _RangeAttention._scores(q[:, :, a:b], k[:, :, key_lo:key_hi], lo[:, a:b], hi[:, a:b], ctx.scale,
+                                            key_lo)
+            chunk_lse = lse[:, :, a:b].reshape(B, nkv, -1, c, 1).nan_to_num(neginf=0.0)
+            p = s.sub_(chunk_lse).exp_().view(B, nkv, -1, S)  # (B, nkv, G*c, S)
+            du = d_out[:, :, a:b].to(exact).reshape(B, nkv, -1, d)
+            # dS = P (dP - rowsum(dO * out) + dL): the log-sum-exp's own gradient enters beside the output's
+            rows = (du * out[:, :, a:b].to(exact).reshape(B, nkv, -1, d)).sum(-1, keepdim=True)
+            rows = rows - d_lse[:, :, a:b].reshape(B, nkv, -1, 1)
+            dv[:, :, key_lo:key_hi] += torch.matmul(p.transpose(-1, -2), du)
+            ds = torch.matmul(du, v[:, :, key_lo:key_hi].to(exact).transpose(-1, -2)).sub_(rows).mul_(p)
+            ds.mul_(ctx.scale)
+            dq[:, :, a:b] = torch.matmul(ds, k[:, :, key_lo:key_hi].to(exact)).view(B, nh, c, d)
+            dk[:, :, key_lo:key_hi] += torch.matmul(ds.transpose(-1, -2), qg)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 #: attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d) of the block's own tokens) -> (B, N, nh*d): the caller
