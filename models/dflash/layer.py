@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftheads.models.dflash.config import DFlashConfig
+from draftheads.models.range_attention import range_attention
 
 
 class RMSNorm(nn.Module):
@@ -142,98 +143,6 @@ class Attention(nn.Module):
         out = ((lse_context.view(B, nh, A, N) - lse).exp()[..., None] * o_context.view(B, nh, A, N, d).to(acc)
                + torch.matmul(p_own, vb.to(acc))).to(q.dtype)  # (B, nh, A, N, d)
         return out.view(B, nh, AN, d).transpose(1, 2).reshape(B, AN, nh * d)
-
-
-#: the elements of one query chunk's (B, heads, rows, keys) fp32 scores in `range_attention` (64 MiB; about four
-#: such tensors live in its backward)
-CHUNK_ELEMENTS = 1 << 24
-
-
-def range_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-                    scale: float, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of each query over one contiguous range of keys, and its log-sum-exp, in memory linear in the
-    keys: q (B, nh, M, d), k/v (B, nkv, S, d) (nh a multiple of nkv), lo/hi (B, M) int, query i seeing keys
-    lo_i <= s < hi_i. -> out (B, nh, M, d) in q's dtype (0 where the range is empty), lse (B, nh, M) fp32 (fp64 for
-    fp64 q; -inf where empty), both differentiable. Queries go in chunks of `chunk` rows (None: CHUNK_ELEMENTS
-    scores), each over the keys its rows reach; the backward recomputes each chunk's scores from the log-sum-exp."""
-    return _RangeAttention.apply(q, k, v, lo, hi, scale, chunk)
-
-
-class _RangeAttention(torch.autograd.Function):
-    """Plain torch on any device; grouped kv heads are read in place (the G query heads of a kv head stacked)."""
-
-    @staticmethod
-    def _chunks(lo, hi, B, nh, M, S, chunk):
-        """[(a, b, key_lo, key_hi)]: query rows a..b-1 over the keys any of them sees (one host sync)."""
-        rows = chunk or max(16, CHUNK_ELEMENTS // max(1, B * nh * S))
-        starts = list(range(0, M, rows))
-        pad = len(starts) * rows - M
-        lows = F.pad(lo, (0, pad), value=S).view(B, -1, rows).amin((0, 2))
-        highs = F.pad(hi, (0, pad), value=0).view(B, -1, rows).amax((0, 2))
-        return [(a, min(a + rows, M), kl, kh) for a, kl, kh in zip(starts, lows.tolist(), highs.tolist())]
-
-    @staticmethod
-    def _scores(q, k, lo, hi, scale, key_lo):
-        """The chunk's queries stacked per kv head (B, nkv, G*c, d) and their masked scores (B, nkv, G, c, S')."""
-        B, nh, c, d = q.shape
-        nkv, S = k.shape[1], k.shape[2]
-        exact = torch.promote_types(q.dtype, torch.float32)
-        qg = q.to(exact).reshape(B, nkv, -1, d)
-        s = torch.matmul(qg, k.to(exact).transpose(-1, -2)).mul_(scale).view(B, nkv, -1, c, S)
-        keys = torch.arange(key_lo, key_lo + S, device=q.device)
-        hidden = (keys < lo[:, :, None]) | (keys >= hi[:, :, None])  # (B, c, S')
-        return qg, s.masked_fill_(hidden[:, None, None], float("-inf"))
-
-    @staticmethod
-    def forward(ctx, q, k, v, lo, hi, scale, chunk):
-        B, nh, M, d = q.shape
-        nkv = k.shape[1]
-        exact = torch.promote_types(q.dtype, torch.float32)
-        out = torch.zeros(B, nh, M, d, dtype=q.dtype, device=q.device)
-        lse = torch.full((B, nh, M), float("-inf"), dtype=exact, device=q.device)
-        plan = _RangeAttention._chunks(lo, hi, B, nh, M, k.shape[2], chunk)
-        for a, b, key_lo, key_hi in plan:
-            if key_hi <= key_lo:
-                continue  # no query of the chunk sees a key
-            _, s = _RangeAttention._scores(q[:, :, a:b], k[:, :, key_lo:key_hi], lo[:, a:b], hi[:, a:b], scale,
-                                           key_lo)
-            chunk_lse = torch.logsumexp(s, -1)  # (B, nkv, G, c); -inf on an empty row
-            p = s.sub_(chunk_lse.nan_to_num(neginf=0.0)[..., None]).exp_().view(B, nkv, -1, key_hi - key_lo)
-            out[:, :, a:b] = torch.matmul(p, v[:, :, key_lo:key_hi].to(exact)).view(B, nh, b - a, d)
-            lse[:, :, a:b] = chunk_lse.view(B, nh, b - a)
-        ctx.save_for_backward(q, k, v, lo, hi, out, lse)
-        ctx.scale, ctx.plan = scale, plan
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, d_out, d_lse):
-        q, k, v, lo, hi, out, lse = ctx.saved_tensors
-        B, nh, M, d = q.shape
-        nkv = k.shape[1]
-        exact = lse.dtype
-        dq = torch.zeros(B, nh, M, d, dtype=exact, device=q.device)
-        dk = torch.zeros(B, nkv, k.shape[2], d, dtype=exact, device=q.device)
-        dv = torch.zeros_like(dk)
-        d_out = torch.zeros_like(out) if d_out is None else d_out
-        d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
-        for a, b, key_lo, key_hi in ctx.plan:
-            if key_hi <= key_lo:
-                continue
-            S, c = key_hi - key_lo, b - a
-            qg, s = _RangeAttention._scores(q[:, :, a:b], k[:, :, key_lo:key_hi], lo[:, a:b], hi[:, a:b], ctx.scale,
-                                            key_lo)
-            chunk_lse = lse[:, :, a:b].reshape(B, nkv, -1, c, 1).nan_to_num(neginf=0.0)
-            p = s.sub_(chunk_lse).exp_().view(B, nkv, -1, S)  # (B, nkv, G*c, S)
-            du = d_out[:, :, a:b].to(exact).reshape(B, nkv, -1, d)
-            # dS = P (dP - rowsum(dO * out) + dL): the log-sum-exp's own gradient enters beside the output's
-            rows = (du * out[:, :, a:b].to(exact).reshape(B, nkv, -1, d)).sum(-1, keepdim=True)
-            rows = rows - d_lse[:, :, a:b].reshape(B, nkv, -1, 1)
-            dv[:, :, key_lo:key_hi] += torch.matmul(p.transpose(-1, -2), du)
-            ds = torch.matmul(du, v[:, :, key_lo:key_hi].to(exact).transpose(-1, -2)).sub_(rows).mul_(p)
-            ds.mul_(ctx.scale)
-            dq[:, :, a:b] = torch.matmul(ds, k[:, :, key_lo:key_hi].to(exact)).view(B, nh, c, d)
-            dk[:, :, key_lo:key_hi] += torch.matmul(ds.transpose(-1, -2), qg)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 #: attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d) of the block's own tokens) -> (B, N, nh*d): the caller

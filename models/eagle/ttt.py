@@ -2,9 +2,10 @@
 
 `ttt_attention` never holds a (T, T) matrix for backward, on any device: the step-0 prefix goes through a kernel
 that returns its output and log-sum-exp (the CPU's flash kernel; on CUDA the flash or memory-efficient SDPA op; else
-`_ChunkedPrefix`, plain torch over query chunks), the query's own chain (k scores) is merged with it by the
-log-sum-exp, and the backward reruns the prefix kernel's backward. Packed rows pass per-token document ids, from
-which each chunk's mask is built where it is needed; nothing (T, T) is kept, not even the mask.
+`models.range_attention`, plain torch over query chunks: query t sees the keys from its document's start to t), the
+query's own chain (k scores) is merged with it by the log-sum-exp, and the backward reruns the prefix kernel's
+backward. Packed rows pass per-token document ids, from which each chunk's mask is built where it is needed; nothing
+(T, T) is kept, not even the mask.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from typing import Literal
 
 import torch
 
-#: the elements of one query chunk's transient (B, heads or 1, rows, keys) tensors, which sets the chunk's rows:
-#: the chunked prefix's fp32 scores (about four such tensors live in its backward: 4 x 64 MiB), the fused kernels'
-#: dense per-chunk bias of packed rows
-CHUNK_ELEMENTS = 1 << 24
+from draftheads.models.range_attention import range_backward, range_chunks, range_forward
 
 
 def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | None = None,
@@ -48,9 +46,10 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 
     kernel "fused": the device's attention kernel over the prefix (CPU: SDPA's flash kernel; CUDA: the flash kernel
     for bf16/fp16 rows of one document, else the memory-efficient one), "chunked" where the device has none or it
-    refuses the inputs; "chunked": `_ChunkedPrefix` (any device). chunk: query rows per chunk where the prefix is
-    chunked (packed rows, or the chunked kernel); None sizes it to CHUNK_ELEMENTS. All give the same values and
-    gradients within float rounding (tests/unit/test_ttt_attention.py).
+    refuses the inputs; "chunked": `range_attention`'s (any device). chunk: query rows per chunk where the prefix is
+    chunked (packed rows, or the chunked kernel); None sizes it to range_attention.CHUNK_ELEMENTS elements of a
+    chunk's scores (chunked) or bias (fused). All give the same values and gradients within float rounding
+    (tests/unit/test_ttt_attention.py).
     """
     if kernel not in ("fused", "chunked"):
         raise ValueError(f"ttt_attention: kernel={kernel!r}; expected 'fused' or 'chunked'")
@@ -87,55 +86,11 @@ def _bias(allowed: torch.Tensor, dtype: torch.dtype, align: int = 1) -> torch.Te
     return bias.masked_fill_(~allowed, float("-inf"))
 
 
-class _ChunkedPrefix:
-    """Plain torch, any device: scores of the chunk in fp32 (fp64 for fp64 inputs), its log-sum-exp, the output;
-    the backward recomputes the probabilities from the log-sum-exp. Grouped kv heads are read in place. It always
-    runs over a plan of chunks, each with its `allowed` mask (never `causal`)."""
-
-    name = "chunked"
-
-    @staticmethod
-    def _scores(q, k, allowed, scale):
-        """q stacked per kv head (B, nkv, G*c, d) and the masked scores (B, nkv, G, c, S), both fp32 or fp64."""
-        B, nh, c, d = q.shape
-        nkv, S = k.shape[1], k.shape[2]
-        exact = torch.promote_types(q.dtype, torch.float32)
-        qg = q.to(exact).reshape(B, nkv, -1, d)  # heads h = j * G + g of kv head j, their rows stacked
-        s = torch.matmul(qg, k.to(exact).transpose(-1, -2)).mul_(scale).view(B, nkv, -1, c, S)
-        if allowed is not None:
-            s.masked_fill_(~allowed.view(allowed.shape[0], 1, 1, c, S), float("-inf"))
-        return qg, s
-
-    @classmethod
-    def forward(cls, q, k, v, allowed, causal, scale):
-        B, nh, c, d = q.shape
-        _, s = cls._scores(q, k, allowed, scale)
-        lse = torch.logsumexp(s, -1)  # (B, nkv, G, c)
-        p = s.sub_(lse[..., None]).exp_().view(B, k.shape[1], -1, k.shape[2])  # (B, nkv, G*c, S)
-        o = torch.matmul(p, v.to(p.dtype))  # (B, nkv, G*c, d)
-        return o.view(B, nh, c, d), lse.view(B, nh, c), None
-
-    @classmethod
-    def backward(cls, du, q, k, v, out, lse, allowed, causal, scale, state):
-        B, nh, c, d = q.shape
-        nkv, S = k.shape[1], k.shape[2]
-        qg, s = cls._scores(q, k, allowed, scale)
-        exact = s.dtype
-        p = s.sub_(lse.to(exact).reshape(B, nkv, -1, c, 1)).exp_().view(B, nkv, -1, S)  # (B, nkv, G*c, S)
-        ug = du.to(exact).reshape(B, nkv, -1, d)
-        dv = torch.matmul(p.transpose(-1, -2), ug)  # (B, nkv, S, d)
-        rows = (ug * out.to(exact).reshape(B, nkv, -1, d)).sum(-1, keepdim=True)  # rowsum(du * out)
-        ds = torch.matmul(ug, v.to(exact).transpose(-1, -2)).sub_(rows).mul_(p).mul_(scale)  # dS = P (dP - rows)
-        dq = torch.matmul(ds, k.to(exact)).view(B, nh, c, d)
-        dk = torch.matmul(ds.transpose(-1, -2), qg)
-        return dq, dk, dv
-
-
 class _CpuFlashPrefix:
     """SDPA's CPU flash kernel (aten `_scaled_dot_product_flash_attention_for_cpu` and its backward): no (c, S)
     matrix beyond its tiles. It takes one kv head per query head (GQA copies of the slice, transient) and a mask only
     as a dense bias of q's dtype, (B, 1, c, S): packed rows are therefore chunked over queries, a bias of
-    CHUNK_ELEMENTS at most alive at a time and rebuilt in backward."""
+    range_attention.CHUNK_ELEMENTS at most alive at a time and rebuilt in backward."""
 
     name = "cpu-flash"
 
@@ -161,7 +116,8 @@ class _CudaPrefix:
     """CUDA's fused SDPA ops, which return the log-sum-exp: the flash kernel (`_scaled_dot_product_flash_attention`,
     bf16/fp16, causal rows of one document) or the memory-efficient one (`_scaled_dot_product_efficient_attention`:
     fp32, or packed rows with a per-chunk bias aligned to 16; its log-sum-exp is padded to a multiple of 32 rows).
-    GQA through copies of the key slice, as on the CPU. Any error falls back to `_ChunkedPrefix` (`_TTTAttention`)."""
+    GQA through copies of the key slice, as on the CPU. Any error falls back to `range_attention`'s computation
+    (`_TTTAttention`)."""
 
     name = "cuda"
 
@@ -204,49 +160,35 @@ def _fused_prefix(device: torch.device):
     return {"cpu": _CpuFlashPrefix, "cuda": _CudaPrefix}.get(device.type)
 
 
-def _plan(documents: torch.Tensor | None, B: int, heads: int, T: int, chunk: int | None):
-    """The prefix's query chunks [(a, b, lo)]: queries a..b-1 over keys lo..b-1, lo the earliest document start
-    among the rows' query a (documents are contiguous: no query of the chunk sees a key before it). `chunk` rows
-    each, or as many as keep a (B, heads, rows, T) tensor within CHUNK_ELEMENTS."""
-    rows = chunk or max(16, CHUNK_ELEMENTS // max(1, B * heads * T))
-    bounds = list(range(0, T, rows))
+def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lo, hi) (B, T): query t sees the step-0 keys lo_t <= s < t + 1, lo_t the start of its document (documents are
+    contiguous; 0 for one document a row)."""
+    index = torch.arange(T, device=device).expand(B, T)
     if documents is None:
-        return [(a, min(a + rows, T), 0) for a in bounds]
-    index = torch.arange(T, device=documents.device).expand(documents.shape[0], T)
+        return torch.zeros_like(index), index + 1
     start = torch.ones_like(documents, dtype=torch.bool)
     start[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    first = torch.where(start, index, 0).cummax(-1).values  # (B, T) the start of each token's document
-    lows = first[:, bounds].min(0).values.tolist()  # one host sync for the whole plan
-    return [(a, min(a + rows, T), lo) for a, lo in zip(bounds, lows)]
+    return torch.where(start, index, 0).cummax(-1).values, index + 1
 
 
-def _allowed(documents: torch.Tensor | None, a: int, b: int, lo: int, device) -> torch.Tensor:
-    """(B or 1, 1, b-a, b-lo) bool: query t in a..b-1 attends to key s in lo..b-1 iff s <= t, in t's document."""
-    t = torch.arange(a, b, device=device)[:, None]
-    s = torch.arange(lo, b, device=device)[None, :]
-    allowed = s <= t
-    if documents is not None:
-        allowed = allowed & (documents[:, a:b, None] == documents[:, None, lo:b])
-    return allowed.view(-1, 1, b - a, b - lo)
-
-
-def _prefix_forward(prefix, plan, q, k0, v0, documents, scale):
-    """o0 (B, nh, T, d), lse0 (B, nh, T) and each chunk's kernel state, over the chunks of `plan` (None: one causal
-    call over the whole row)."""
+def _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale):
+    """o0 (B, nh, T, d), lse0 (B, nh, T) and each chunk's kernel state, over the chunks of `plan` (`range_chunks`;
+    None: one causal call over the whole row), each chunk's mask built from the ranges."""
     if plan is None:
         o, lse, state = prefix.forward(q, k0, v0, None, True, scale)
         return o, lse, [state]
     outs, lses, states = [], [], []
-    for a, b, lo in plan:
-        allowed = _allowed(documents, a, b, lo, q.device)
-        o, lse, state = prefix.forward(q[:, :, a:b], k0[:, :, lo:b], v0[:, :, lo:b], allowed, False, scale)
+    for a, b, key_lo, key_hi in plan:
+        allowed = _allowed(lo, hi, a, b, key_lo, key_hi)
+        o, lse, state = prefix.forward(q[:, :, a:b], k0[:, :, key_lo:key_hi], v0[:, :, key_lo:key_hi], allowed,
+                                       False, scale)
         outs.append(o)
         lses.append(lse)
         states.append(state)
     return torch.cat(outs, 2), torch.cat(lses, 2), states
 
 
-def _prefix_backward(prefix, plan, states, upstream, q, k0, v0, out, lse0, documents, scale):
+def _fused_backward(prefix, plan, states, upstream, q, k0, v0, out, lse0, lo, hi, scale):
     """dq (B, nh, T, d), dK_0, dV_0 (B, nkv, T, d) of the prefix block, the chunks' gradients summed."""
     if plan is None:
         return prefix.backward(upstream, q, k0, v0, out, lse0, None, True, scale, states[0])
@@ -255,14 +197,21 @@ def _prefix_backward(prefix, plan, states, upstream, q, k0, v0, out, lse0, docum
     dq = torch.empty(B, nh, T, d, dtype=exact, device=q.device)
     dk0 = torch.zeros(B, k0.shape[1], T, d, dtype=exact, device=q.device)
     dv0 = torch.zeros_like(dk0)
-    for (a, b, lo), state in zip(plan, states):
-        allowed = _allowed(documents, a, b, lo, q.device)
-        dq_c, dk_c, dv_c = prefix.backward(upstream[:, :, a:b], q[:, :, a:b], k0[:, :, lo:b], v0[:, :, lo:b],
-                                           out[:, :, a:b], lse0[:, :, a:b], allowed, False, scale, state)
+    for (a, b, key_lo, key_hi), state in zip(plan, states):
+        keys = slice(key_lo, key_hi)
+        dq_c, dk_c, dv_c = prefix.backward(upstream[:, :, a:b], q[:, :, a:b], k0[:, :, keys], v0[:, :, keys],
+                                           out[:, :, a:b], lse0[:, :, a:b], _allowed(lo, hi, a, b, key_lo, key_hi),
+                                           False, scale, state)
         dq[:, :, a:b] = dq_c
-        dk0[:, :, lo:b] += dk_c
-        dv0[:, :, lo:b] += dv_c
+        dk0[:, :, keys] += dk_c
+        dv0[:, :, keys] += dv_c
     return dq, dk0, dv0
+
+
+def _allowed(lo: torch.Tensor, hi: torch.Tensor, a: int, b: int, key_lo: int, key_hi: int) -> torch.Tensor:
+    """(B, 1, b-a, key_hi-key_lo) bool: query t in a..b-1 sees key s in key_lo..key_hi-1 iff lo_t <= s < hi_t."""
+    s = torch.arange(key_lo, key_hi, device=lo.device)
+    return ((s >= lo[:, a:b, None]) & (s < hi[:, a:b, None]))[:, None]
 
 
 def _fallback(prefix, error: Exception) -> None:
@@ -276,11 +225,12 @@ class _TTTAttention(torch.autograd.Function):
     own chain, k scores s_j = q_t . k_jt. With L = logaddexp(L_0, logsumexp_j s_j):
         out = exp(L_0 - L) o_0 + sum_j exp(s_j - L) v_jt.
     Backward: the kernel's backward of the prefix block, given the upstream gradient scaled by exp(L_0 - L) and the
-    merged output, gives the prefix's dq, dK_0, dV_0 exactly; the chain's terms are written out
+    merged output (it reads `out` only for rowsum(dO * out), which the merged softmax needs), gives the prefix's dq,
+    dK_0, dV_0 exactly; the chain's terms are written out
     (dS = P * (dP - rowsum(dO * out))). Saved: q, K_0, V_0, the chain, out, L_0 and the chain's probabilities, all
     linear in T. The chain (k small) is a loop of elementwise products, in float32 (float64 for float64 inputs, so
-    that a float64 unroll is exact). A fused kernel that fails (forward or backward) hands over to the chunked one,
-    which needs only L_0 and out.
+    that a float64 unroll is exact). A fused kernel that fails (forward or backward) hands over to `range_attention`'s
+    computation, which needs only L_0 and out.
     """
 
     @staticmethod
@@ -289,19 +239,18 @@ class _TTTAttention(torch.autograd.Function):
         nkv = k0.shape[1]
         G, n, scale = nh // nkv, len(chain) // 2, d ** -0.5
         prefix = _fused_prefix(q.device) if kernel == "fused" else None
+        lo, hi = _prefix_ranges(documents, B, T, q.device)
         o0 = None
-        with torch.autocast(q.device.type, enabled=False):  # the chunked scores in fp32 under mixed precision too,
-            # as its backward (which runs outside autocast) recomputes them
-            if prefix is not None:
-                # one causal call over the row; packed rows in chunks, the transient a (B, 1, c, S) bias
-                plan = None if documents is None else _plan(documents, B, 1, T, chunk)
-                try:
-                    o0, lse0, states = _prefix_forward(prefix, plan, q, k0, v0, documents, scale)
-                except RuntimeError as error:  # a kernel that refuses these inputs: chunked, never a (T, T) matrix
-                    _fallback(prefix, error)
-            if o0 is None:
-                prefix, plan = _ChunkedPrefix, _plan(documents, B, nh, T, chunk)
-                o0, lse0, states = _prefix_forward(prefix, plan, q, k0, v0, documents, scale)
+        if prefix is not None:
+            # one causal call over the row; packed rows in chunks, the transient a (B, 1, c, S) bias
+            plan = None if documents is None else range_chunks(lo, hi, 1, T, chunk)
+            try:
+                o0, lse0, states = _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale)
+            except RuntimeError as error:  # a kernel that refuses these inputs: chunked, never a (T, T) matrix
+                _fallback(prefix, error)
+        if o0 is None:
+            prefix, plan, states = None, range_chunks(lo, hi, nh, T, chunk), None
+            o0, lse0 = range_forward(q, k0, v0, lo, hi, scale, plan)
         exact = torch.promote_types(q.dtype, torch.float32)
         lse0 = lse0.to(exact).view(B, nkv, G, T)  # heads h = j * G + g share kv head j
         if n:
@@ -318,7 +267,7 @@ class _TTTAttention(torch.autograd.Function):
             weight0 = p_own = None
             out = o0.to(q.dtype)
         ctx.save_for_backward(q, documents, k0, v0, lse0, weight0, p_own, out, *chain)
-        ctx.prefix, ctx.plan, ctx.states, ctx.chunk = prefix, plan, states, chunk
+        ctx.prefix, ctx.plan, ctx.states, ctx.chunk = prefix, plan, states, chunk  # prefix None: range_attention's
         return out
 
     @staticmethod
@@ -331,16 +280,17 @@ class _TTTAttention(torch.autograd.Function):
         d5 = d_out.to(exact).reshape(B, nkv, G, T, d)
         upstream = d5 if weight0 is None else d5 * weight0[..., None]
         upstream, lse0 = upstream.view(B, nh, T, d), lse0.view(B, nh, T)
-        try:
-            dq, dk0, dv0 = _prefix_backward(ctx.prefix, ctx.plan, ctx.states, upstream, q, k0, v0, out, lse0,
-                                            documents, scale)
-        except RuntimeError as error:
-            if ctx.prefix is _ChunkedPrefix:
-                raise
-            _fallback(ctx.prefix, error)
-            plan = _plan(documents, B, nh, T, ctx.chunk)
-            dq, dk0, dv0 = _prefix_backward(_ChunkedPrefix, plan, [None] * len(plan), upstream, q, k0, v0, out,
-                                            lse0, documents, scale)
+        lo, hi = _prefix_ranges(documents, B, T, q.device)
+        dq = None
+        if ctx.prefix is not None:
+            try:
+                dq, dk0, dv0 = _fused_backward(ctx.prefix, ctx.plan, ctx.states, upstream, q, k0, v0, out, lse0, lo,
+                                               hi, scale)
+            except RuntimeError as error:  # range_attention's backward needs only L_0 and the merged output
+                _fallback(ctx.prefix, error)
+        if dq is None:
+            plan = ctx.plan if ctx.prefix is None else range_chunks(lo, hi, nh, T, ctx.chunk)
+            dq, dk0, dv0 = range_backward(upstream, q, k0, v0, out, lse0, None, lo, hi, scale, plan)
         dq = dq.to(exact)
         d_keys, d_values = [], []
         if n:

@@ -20,7 +20,7 @@ from draftheads.models.dflash import (
     position_weights,
     sample_anchors,
 )
-from draftheads.models.dflash.layer import range_attention
+from draftheads.models.range_attention import range_attention
 from draftheads.models.verifier import Verifier
 from tests.dflash_reference import slow_block_mask, slow_loss
 from tests.utils import tiny_model
@@ -200,6 +200,28 @@ def test_block_attention_equals_the_dense_mask(verifier, window):
         torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-5, msg=attention)
         for name, grad in dense_grads.items():
             torch.testing.assert_close(fast_grads[name], grad, atol=1e-4, rtol=1e-4, msg=f"{attention}: {name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore::draftheads.models.dflash.DFlashWarning")
+def test_block_attention_equals_the_dense_mask_on_cuda(verifier):
+    drafter = make(verifier, layer_types=["sliding_attention", "full_attention"], sliding_window=3).cuda()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 64, (2, 40), generator=g)
+    position_ids = torch.cat([torch.arange(25), torch.arange(15)]).expand(2, 40)
+    ctx = torch.cat(verifier.features(ids, layer_ids=drafter.feature_layers).layers, -1)
+    anchors, valid = sample_anchors(torch.ones(2, 40, dtype=torch.long), 9, generator=g)
+    ids, ctx, anchors, valid, position_ids = (t.cuda() for t in (ids, ctx, anchors, valid, position_ids))
+    results = {}
+    for attention in ("dense", "ranges"):
+        drafter.zero_grad()
+        hidden = drafter.anchored_hidden(ids, ctx, anchors, valid, position_ids, attention=attention)
+        (hidden * torch.linspace(-1, 1, hidden.shape[-1], device="cuda")).sum().backward()
+        results[attention] = (hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    (dense, dense_grads), (ranges, range_grads) = results["dense"], results["ranges"]
+    torch.testing.assert_close(ranges, dense, atol=1e-5, rtol=1e-5)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(range_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize("window", [None, 3])
