@@ -26,6 +26,7 @@ unchanged; the engine API is in drafter.py's docstring. Export / load: models/ex
 from draftheads.models.dflash.blocks import (  # noqa: F401
     anchored_block_mask,
     anchored_context_mask,
+    anchored_context_ranges,
     block_inputs,
     block_targets,
     own_block_mask,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from draftheads.data.documents import document_ids, same_document
+from draftheads.data.documents import document_ids, restarts, same_document
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
@@ -97,6 +97,28 @@ def anchored_context_mask(anchors: torch.Tensor, valid: torch.Tensor, context_le
         q_pos = anchor_of_query + torch.arange(A * N, device=dev) % N  # (B, A*N)
         context = context & (q_pos[:, :, None] - s[None, None, :] < sliding_window)
     return context
+
+
+def anchored_context_ranges(anchors: torch.Tensor, valid: torch.Tensor, context_length: int, block_size: int,
+                            sliding_window: int | None = None, position_ids: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`anchored_context_mask` as one range of context keys per block token, (lo, hi) (B, A*N) each: the token sees
+    keys lo <= s < hi (documents are contiguous, and so is a window), linear in T where the mask is (A*N, T).
+    hi is the anchor (0 for an invalid block); lo the anchor's document start (packed rows), raised to the first key
+    within the window of the query's position (sliding layers)."""
+    B, A = anchors.shape
+    N = block_size
+    anchor_of_query = torch.where(valid, anchors, torch.zeros_like(anchors)).repeat_interleave(N, dim=1)  # (B, A*N)
+    hi = anchor_of_query.clone()
+    lo = torch.zeros_like(hi)
+    if position_ids is not None:
+        index = torch.arange(position_ids.shape[1], device=anchors.device).expand_as(position_ids)
+        starts = torch.where(restarts(position_ids), index, 0).cummax(-1).values  # (B, T) each token's document start
+        lo = starts.gather(1, anchor_of_query.clamp(max=context_length - 1))
+    if sliding_window is not None:
+        q_pos = anchor_of_query + torch.arange(A * N, device=anchors.device) % N
+        lo = torch.maximum(lo, q_pos - sliding_window + 1)
+    return lo.minimum(hi), hi
 
 
 def own_block_mask(block_size: int, sliding_window: int | None = None, device=None) -> torch.Tensor:

@@ -86,6 +86,9 @@ class DFlashConfig:
     """Training: 0-based verifier layers whose weights start the drafter's layers, one per drafter layer (attention
     projections, MLP, the two norms; q/k norms where the verifier has them, else ones); null: random layers. The
     drafter's layer sizes must then be the verifier's."""
+    checkpoint_layers: bool = False
+    """Training: keep only each drafter layer's input and run the layer again in the backward (activation
+    checkpointing): less memory, one more forward of the layers."""
     draft_vocab_size: int | None = None
     """null: the drafter's logits are the verifier's lm_head, frozen and shared (z-lab's drafters, the reference).
     A number: the drafter has its own lm_head, trained, over that many tokens (the most frequent in the training

@@ -45,14 +45,16 @@ block inputs, targets and mask are models/dflash/blocks.py, the weighted loss mo
 from __future__ import annotations
 
 import warnings
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from draftheads.data.documents import same_document
-from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_context_mask, block_inputs, block_targets,
-                                             own_block_mask, sample_anchors)
+from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_context_ranges, block_inputs,
+                                             block_targets, own_block_mask, sample_anchors)
 from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.losses import dflash_loss
@@ -224,11 +226,16 @@ class DFlashDrafter(Placed, nn.Module):
         return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
 
     def block(self, noise_embedding: torch.Tensor, position_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """The layers over a block (B, N, H) at position_ids (B, N), attention by `attend`; final-normed output."""
+        """The layers over a block (B, N, H) at position_ids (B, N), attention by `attend`; final-normed output.
+        With dflash.checkpoint_layers in training, each layer (and its `attend`) runs again in the backward."""
         hidden = noise_embedding.to(self.dtype)
         cos, sin = self._rope(position_ids.expand(hidden.shape[0], -1), hidden)
+        checkpointed = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, attend)
+            if checkpointed:  # only the layer's input kept; the layer runs again in the backward
+                hidden = checkpoint(layer, hidden, cos, sin, attend, use_reentrant=False)
+            else:
+                hidden = layer(hidden, cos, sin, attend)
         return self.norm(hidden)
 
     def forward(self, position_ids: torch.Tensor, attention_mask=None, noise_embedding: torch.Tensor | None = None,
@@ -286,7 +293,7 @@ class DFlashDrafter(Placed, nn.Module):
     # ---- training ------------------------------------------------------------------------------------------------
     def anchored_hidden(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, anchors: torch.Tensor,
                         valid: torch.Tensor, position_ids: torch.Tensor | None = None,
-                        blockwise: bool | None = None) -> torch.Tensor:
+                        attention: Literal["ranges", "dense"] = "ranges") -> torch.Tensor:
         """Every anchored block of every row in one forward: input_ids (B, T), target_hidden (B, T, L*H) (the
         whole row's context), anchors / valid (B, A). Block j of row b reads [x_a, MASK x (N-1)] at positions
         a .. a+N-1 (a = anchors[b, j]), sees the context strictly before a and its own block, no other block.
@@ -294,31 +301,31 @@ class DFlashDrafter(Placed, nn.Module):
         block at its anchor's, attending inside the anchor's document only (models/dflash/blocks.py).
         Returns the final-normed hidden (B, A, N, H).
 
-        blockwise (None: on a CPU): each block token scores the context and its own block only
-        (`Attention.attend_blocks`), T + N keys instead of the dense mask's T + A*N, most of which it hides (at block
-        16 and 128 anchors, 9x fewer scores; the attention was half of a CPU step). It holds its (B, heads, A*N, T)
-        scores for the backward, where SDPA with the dense mask (False; on CUDA) holds only the mask."""
+        attention "ranges" (training's, on every device): each block token scores its context range and its own
+        block only (`Attention.attend_ranges`), in query chunks whose scores the backward recomputes: memory
+        linear in T, nothing (A*N, T) kept, not even a mask. "dense": SDPA over [context | every block] with the
+        (B, 1, A*N, T + A*N) anchored mask, most of it hidden: the reference, equal to float rounding."""
         B, T = input_ids.shape
-        if blockwise is None:
-            blockwise = input_ids.device.type == "cpu"
+        if attention not in ("ranges", "dense"):
+            raise DFlashError(f"anchored_hidden: attention={attention!r}; expected 'ranges' or 'dense'")
         A, N = anchors.shape[1], self.cfg.block_size
         ids, positions = block_inputs(input_ids, anchors, valid, N, self.cfg.mask_token_id,
                                       position_ids)  # (B, A*N) each
         context_positions = (torch.arange(T, device=input_ids.device).expand(B, T) if position_ids is None
                              else position_ids.long())
-        if not blockwise:  # the dense mask over [context | every block]: SDPA's kernels, most keys hidden
+        if attention == "dense":
             masks = {kind: anchored_block_mask(anchors, valid, T, N, window, position_ids)[:, None]
                      for kind, window in self._mask_kinds()}
             hidden = self(torch.cat([context_positions, positions], 1), masks, self.embed(ids), target_hidden)
             return hidden.view(B, A, N, -1)
-        masks = {kind: (anchored_context_mask(anchors, valid, T, N, window, position_ids)[:, None],
-                        own_block_mask(N, window, input_ids.device))
-                 for kind, window in self._mask_kinds()}
+        ranges = {kind: (*anchored_context_ranges(anchors, valid, T, N, window, position_ids),
+                         own_block_mask(N, window, input_ids.device))
+                  for kind, window in self._mask_kinds()}
         ctx_kv = self.context_kv(target_hidden, context_positions)
 
         def attend(i, q, k, v):
             attn = self.layers[i].self_attn
-            return attn.attend_blocks(q, ctx_kv[i], k, v, *masks[attn.layer_type])
+            return attn.attend_ranges(q, ctx_kv[i], k, v, *ranges[attn.layer_type])
 
         return self.block(self.embed(ids), positions, attend).view(B, A, N, -1)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftheads.models.dflash.config import DFlashConfig
+from draftheads.models.range_attention import range_attention
 
 
 class RMSNorm(nn.Module):
@@ -114,31 +115,34 @@ class Attention(nn.Module):
         B, _, N, _ = out.shape
         return out.transpose(1, 2).reshape(B, N, -1)
 
-    def attend_blocks(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
-                      v: torch.Tensor, context_mask: torch.Tensor, own_mask: torch.Tensor) -> torch.Tensor:
+    def attend_ranges(self, q: torch.Tensor, context_kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor,
+                      v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, own_mask: torch.Tensor,
+                      chunk: int | None = None) -> torch.Tensor:
         """Training's attention for A blocks of N tokens side by side, the anchored block mask's without scoring
-        the (A-1)*N keys of other blocks that it hides: each block token attends to the context keys
-        `context_mask` allows and to its own block's keys `own_mask` allows, in one softmax over both.
-        q (B, nh, A*N, d); context_kv (B, nkv, T, d) each; k/v (B, nkv, A*N, d) the blocks'; context_mask
-        (B, 1, A*N, T) bool; own_mask (N, N) bool (True = attend). -> (B, A*N, nh*d), equal to `attend` with
-        `anchored_block_mask` (to float rounding) at T + N keys per query instead of T + A*N."""
+        the (A-1)*N keys of other blocks that it hides, nor the context keys past a block's anchor: each block token
+        attends to its context range lo <= s < hi (`anchored_context_ranges`, (B, A*N) each) and to its own
+        block's keys `own_mask` (N, N) allows, in one softmax over both. The context goes through
+        `range_attention` (query chunks, scores recomputed in the backward), the own block is scored in full, the
+        two merged by their log-sum-exp. q (B, nh, A*N, d); context_kv (B, nkv, T, d) each; k/v (B, nkv, A*N, d)
+        the blocks'. Kept for the backward: q, k, v, the context's output and log-sum-exp and the (A, N, N) own
+        scores, nothing (A*N, T). -> (B, A*N, nh*d), equal to `attend` with `anchored_block_mask` (to float
+        rounding)."""
         groups = self.num_heads // self.num_kv_heads
         kc, vc = context_kv
-        if groups > 1:
-            kc, vc, k, v = (t.repeat_interleave(groups, dim=1) for t in (kc, vc, k, v))
         B, nh, AN, d = q.shape
         N = own_mask.shape[0]
-        A, T = AN // N, kc.shape[2]
+        A = AN // N
         acc = torch.promote_types(q.dtype, torch.float32)  # the softmax in fp32 (fp64 for an fp64 drafter)
-        hide = torch.finfo(acc).min  # a row always keeps its own token (own_mask's diagonal)
-        q = q * self.scaling  # scaled before the products: (A*N, d) multiplications, not (A*N, T + N)
-        scores_context = torch.matmul(q, kc.transpose(-1, -2)).to(acc).masked_fill(~context_mask, hide)
-        qb, kb = q.view(B, nh, A, N, d), k.reshape(B, nh, A, N, d)
-        scores_own = torch.matmul(qb, kb.transpose(-1, -2)).to(acc).masked_fill(~own_mask, hide)
-        p = torch.softmax(torch.cat([scores_context.view(B, nh, A, N, T), scores_own], dim=-1), dim=-1).to(q.dtype)
-        out = (torch.matmul(p[..., :T].reshape(B, nh, AN, T), vc)
-               + torch.matmul(p[..., T:], v.reshape(B, nh, A, N, d)).view(B, nh, AN, d))
-        return out.transpose(1, 2).reshape(B, AN, nh * d)
+        o_context, lse_context = range_attention(q, kc, vc, lo, hi, self.scaling, chunk)  # (B,nh,AN,d), (B,nh,AN)
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        qb, kb, vb = (t.reshape(B, nh, A, N, d) for t in (q, k, v))
+        scores_own = torch.matmul(qb * self.scaling, kb.transpose(-1, -2)).to(acc).masked_fill(~own_mask, -torch.inf)
+        lse = torch.logaddexp(lse_context.view(B, nh, A, N), torch.logsumexp(scores_own, -1))  # (B, nh, A, N)
+        p_own = (scores_own - lse[..., None]).exp()  # (B, nh, A, N, N)
+        out = ((lse_context.view(B, nh, A, N) - lse).exp()[..., None] * o_context.view(B, nh, A, N, d).to(acc)
+               + torch.matmul(p_own, vb.to(acc))).to(q.dtype)  # (B, nh, A, N, d)
+        return out.view(B, nh, AN, d).transpose(1, 2).reshape(B, AN, nh * d)
 
 
 #: attend(layer_idx, q (B, nh, N, d), k, v (B, nkv, N, d) of the block's own tokens) -> (B, N, nh*d): the caller

@@ -43,9 +43,11 @@ EAGLE-3 (Li et al. 2025; SafeAILab/EAGLE `eagle/traineagle3/cnets.py`, sgl-proje
 
   Implementation of the TTT attention: by definition, step k attends over the keys of all steps so far concatenated
   along the sequence, [K_0 | K_1 | ... | K_k] of length (k+1)T, with the boolean mask `ttt_attention_mask(T, k)` =
-  [causal | I | ... | I]. Most of that mask is False, so `ttt_attention` computes the same thing in O(T^2 + kT):
-  causal scores against K_0 (B, nh, T, T), plus one score per later step against the query's own key,
-  (q_t . k_j,t) (B, nh, T, k), one softmax over both, and the matching sum of values. Step 0 is plain causal SDPA.
+  [causal | I | ... | I]. Most of that mask is False, so `ttt_attention` computes the same thing in memory linear in
+  T: causal attention over K_0 through a kernel that returns its log-sum-exp (flash on the CPU and CUDA; a
+  query-chunked torch one elsewhere), plus one score per later step against the query's own key (q_t . k_j,t)
+  (B, nh, T, k), the two merged by their log-sum-exp. Step 0 is the prefix alone. Packed rows pass per-token
+  document ids, not a (T, T) mask (models/eagle/ttt.py).
 
 EAGLE-3 variants (each an `EagleConfig` switch, exported with the fields vLLM reads: models/layouts/eagle_vllm.py)
   parallel (P-EAGLE, arXiv 2602.01469; vLLM `parallel_drafting`): step k >= 1 reads (mask token, fc(mask_hidden))

@@ -81,6 +81,9 @@ class EagleConfig:
     norm_output: bool = False
     """EAGLE 3.1: the hidden handed to the next draft step is the final norm's output, not the pre-norm one (vLLM
     `norm_output`)."""
+    checkpoint_layers: bool = False
+    """EAGLE-3 training: keep only each TTT step's layer inputs and outputs and run its layer pass again in the
+    backward (activation checkpointing): less memory, one more forward of the layer per step."""
 
     def __post_init__(self):
         if self.version not in (1, 3):
@@ -124,7 +127,7 @@ class EagleConfig:
         if self.align_topk is not None and self.version != 3:
             raise EagleError(f"eagle.align_topk={self.align_topk} is an EAGLE-3 option; eagle.version is "
                              f"{self.version}")
-        for key in ("parallel", "fc_norm", "norm_output", "freeze_lm_head"):
+        for key in ("parallel", "fc_norm", "norm_output", "freeze_lm_head", "checkpoint_layers"):
             if getattr(self, key) and self.version != 3:
                 raise EagleError(f"eagle.{key}=true is an EAGLE-3 option; eagle.version is {self.version}")
 

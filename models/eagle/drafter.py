@@ -8,8 +8,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-from draftheads.data.documents import causal_document_mask, is_packed, same_document
+from draftheads.data.documents import causal_document_mask, document_ids, is_packed, same_document
 from draftheads.models.draft_losses import masked_mean, step_weights
 from draftheads.models.eagle.config import EagleConfig, EagleError
 from draftheads.models.eagle.layer import (
@@ -212,23 +213,37 @@ class EagleDrafter(Placed, nn.Module):
         packed rows (restarting per document) every step attends inside its position's document only."""
         steps = self.cfg.ttt_steps if steps is None else steps
         B, T = input_ids.shape
-        documents = self.document_mask(position_ids)  # (B, 1, T, T) or None: one document per row
+        documents = document_ids(position_ids) if is_packed(position_ids) else None  # (B, T); None: one per row
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
+        checkpointed = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
         for k in range(steps):
             ids_k, hidden = self._step_inputs(input_ids, hidden, k)
-
-            def attend(q, kk, vv, k=k):  # the unroll's cache: every step's keys/values so far
-                keys.append(kk)
-                values.append(vv)
-                if k == 0:
-                    return self._attend(q, kk, vv, documents, causal=True)
-                # the step-0 prefix causally (inside the document), plus this position's own chain of keys
-                return ttt_attention(q, keys, values, documents).transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*d)
-
-            hidden = self.step(ids_k, hidden, position_ids + k, attend)
+            args = (ids_k, hidden, position_ids + k, documents, tuple(keys), tuple(values))
+            if checkpointed:  # keep the step's inputs and outputs only; its layer pass runs again in the backward
+                hidden, kk, vv = checkpoint(self._ttt_step, *args, use_reentrant=False)
+            else:
+                hidden, kk, vv = self._ttt_step(*args)
+            keys.append(kk)
+            values.append(vv)
             outs.append(hidden)
         return outs
+
+    def _ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                  documents: torch.Tensor | None, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One TTT step's layer pass over the row: (out (B, T, H), its keys, its values (B, nkv, T, d)), attending
+        to the step-0 prefix causally (inside the document) plus each position's own chain, the earlier steps' keys
+        and values given. A function of its arguments alone, so that checkpointing can run it again."""
+        B, T = input_ids.shape
+        kv = []
+
+        def attend(q, k, v):
+            kv.extend((k, v))
+            return ttt_attention(q, [*keys, k], [*values, v], documents).transpose(1, 2).reshape(B, T, -1)
+
+        out = self.step(input_ids, hidden, position_ids, attend)
+        return out, kv[0], kv[1]
 
     def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor, k: int):
         """(token ids, hidden) that TTT step k reads at every stream position: x_{t+1+k} (zero past the end) and

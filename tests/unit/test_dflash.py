@@ -9,14 +9,18 @@ from draftheads.models.dflash import (
     DFlashConfig,
     DFlashError,
     anchored_block_mask,
+    anchored_context_mask,
+    anchored_context_ranges,
     block_inputs,
     block_targets,
     build_drafter,
     default_gamma,
     default_target_layers,
+    own_block_mask,
     position_weights,
     sample_anchors,
 )
+from draftheads.models.range_attention import range_attention
 from draftheads.models.verifier import Verifier
 from tests.dflash_reference import slow_block_mask, slow_loss
 from tests.utils import tiny_model
@@ -171,10 +175,10 @@ def test_anchored_blocks_equal_blocks_drafted_alone(verifier):
 
 @pytest.mark.filterwarnings("ignore::draftheads.models.dflash.DFlashWarning")  # window 3 < block 4: on purpose
 @pytest.mark.parametrize("window", [None, 3])
-def test_blockwise_attention_equals_the_dense_mask(verifier, window):
-    """Training on a CPU scores each block token against the context and its own block only
-    (`Attention.attend_blocks`); SDPA over the dense anchored mask (what CUDA runs) gives the same hidden states and
-    gradients: packed rows (two documents), a padding block, a sliding layer beside a full one."""
+def test_block_attention_equals_the_dense_mask(verifier, window):
+    """Training scores each block token against its context range and its own block only
+    (`Attention.attend_ranges`); SDPA over the dense anchored mask gives the same hidden states and gradients:
+    packed rows (two documents), a padding block, a sliding layer beside a full one."""
     layers = ({} if window is None
               else {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": window})
     drafter = make(verifier, **layers)
@@ -185,16 +189,127 @@ def test_blockwise_attention_equals_the_dense_mask(verifier, window):
     ctx = torch.cat(feats.layers, -1)
     anchors, valid = sample_anchors(torch.ones(2, 14, dtype=torch.long), 5, generator=g)
     valid[1, -1] = False
-    results = []
-    for blockwise in (True, False):
+    results = {}
+    for attention in ("dense", "ranges"):
         drafter.zero_grad()
-        hidden = drafter.anchored_hidden(ids, ctx, anchors, valid, position_ids, blockwise=blockwise)
+        hidden = drafter.anchored_hidden(ids, ctx, anchors, valid, position_ids, attention=attention)
         (hidden * torch.linspace(-1, 1, hidden.shape[-1])).sum().backward()
-        results.append((hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()}))
-    (fast, fast_grads), (dense, dense_grads) = results
-    torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-5)
+        results[attention] = (hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    dense, dense_grads = results.pop("dense")
+    for attention, (fast, fast_grads) in results.items():
+        torch.testing.assert_close(fast, dense, atol=1e-5, rtol=1e-5, msg=attention)
+        for name, grad in dense_grads.items():
+            torch.testing.assert_close(fast_grads[name], grad, atol=1e-4, rtol=1e-4, msg=f"{attention}: {name}")
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore::draftheads.models.dflash.DFlashWarning")
+def test_block_attention_equals_the_dense_mask_on_cuda(verifier):
+    drafter = make(verifier, layer_types=["sliding_attention", "full_attention"], sliding_window=3).cuda()
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 64, (2, 40), generator=g)
+    position_ids = torch.cat([torch.arange(25), torch.arange(15)]).expand(2, 40)
+    ctx = torch.cat(verifier.features(ids, layer_ids=drafter.feature_layers).layers, -1)
+    anchors, valid = sample_anchors(torch.ones(2, 40, dtype=torch.long), 9, generator=g)
+    ids, ctx, anchors, valid, position_ids = (t.cuda() for t in (ids, ctx, anchors, valid, position_ids))
+    results = {}
+    for attention in ("dense", "ranges"):
+        drafter.zero_grad()
+        hidden = drafter.anchored_hidden(ids, ctx, anchors, valid, position_ids, attention=attention)
+        (hidden * torch.linspace(-1, 1, hidden.shape[-1], device="cuda")).sum().backward()
+        results[attention] = (hidden.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters()})
+    (dense, dense_grads), (ranges, range_grads) = results["dense"], results["ranges"]
+    torch.testing.assert_close(ranges, dense, atol=1e-5, rtol=1e-5)
     for name, grad in dense_grads.items():
-        torch.testing.assert_close(fast_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(range_grads[name], grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_context_ranges_are_the_context_mask(window):
+    g = torch.Generator().manual_seed(5)
+    position_ids = torch.cat([torch.arange(8), torch.arange(6)]).expand(2, 14)
+    anchors, valid = sample_anchors(torch.ones(2, 14, dtype=torch.long), 5, generator=g)
+    valid[1, -1] = False
+    for positions in (None, position_ids):
+        mask = anchored_context_mask(anchors, valid, 14, N, window, positions)  # (B, A*N, T)
+        lo, hi = anchored_context_ranges(anchors, valid, 14, N, window, positions)
+        keys = torch.arange(14)
+        assert torch.equal((keys >= lo[:, :, None]) & (keys < hi[:, :, None]), mask)
+
+
+def range_reference(q, k, v, lo, hi, scale):
+    """Autograd over the dense (M, S) scores; an empty range gives output 0 and log-sum-exp -inf."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    keys = torch.arange(k.shape[2])
+    seen = ((keys >= lo[:, :, None]) & (keys < hi[:, :, None]))[:, None]  # (B, 1, M, S)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    p = (scores - lse.nan_to_num(neginf=0.0)[..., None]).exp()
+    return p @ v, lse
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_range_attention_equals_autograd_over_the_full_scores(dtype, rtol, chunk):
+    """Values and gradients of q, k, v through both outputs (the merged softmax reads the log-sum-exp), with GQA,
+    empty ranges (a block at anchor 0, an invalid block) and chunks whose rows reach different keys."""
+    g = torch.Generator().manual_seed(6)
+    B, nh, nkv, M, S, d = 2, 4, 2, 13, 11, 8
+    q = torch.randn(B, nh, M, d, generator=g, dtype=dtype).requires_grad_()
+    k, v = (torch.randn(B, nkv, S, d, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
+    hi = torch.randint(0, S + 1, (B, M), generator=g)
+    lo = (hi - torch.randint(0, 6, (B, M), generator=g)).clamp(min=0)
+    hi[0, :3] = 0  # empty ranges
+    lo[0, :3] = 0
+    out, lse = range_attention(q, k, v, lo, hi, 0.3, chunk)
+    want_out, want_lse = range_reference(q, k, v, lo, hi, 0.3)
+    seen = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), seen) and not out[~seen[..., None].expand_as(out)].any()
+    w_out = torch.randn(out.shape, generator=g, dtype=dtype)
+    w_lse = torch.randn(lse.shape, generator=g, dtype=dtype)
+
+    def objective(o, l):
+        return (o * w_out).sum() + (l.masked_fill(~seen, 0) * w_lse).sum()
+
+    got = [out, lse.masked_fill(~seen, 0)] + list(torch.autograd.grad(objective(out, lse), [q, k, v]))
+    want = [want_out, want_lse.masked_fill(~seen, 0)] + list(torch.autograd.grad(objective(want_out, want_lse),
+                                                                                 [q, k, v]))
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+        error = ((a - b).abs().max() / b.abs().max()).item()
+        assert error <= rtol, f"{name}: {error:.2e} relative"
+
+
+def test_range_attention_keeps_nothing_quadratic(verifier):
+    """What `attend_ranges` keeps for the backward grows with the block tokens plus the context, not their product;
+    SDPA with the dense anchored mask keeps an (A*N, T + A*N) mask (the check can fail)."""
+    drafter = make(verifier)
+    attn = drafter.layers[0].self_attn
+
+    def kept(T, ranges):
+        g = torch.Generator().manual_seed(7)
+        anchors, valid = sample_anchors(torch.ones(1, T, dtype=torch.long), T // 4, generator=g)
+        d, nh, nkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
+        q = torch.randn(1, nh, anchors.shape[1] * N, d, requires_grad=True)
+        k, v = (torch.randn(1, nkv, anchors.shape[1] * N, d, requires_grad=True) for _ in range(2))
+        context_kv = tuple(torch.randn(1, nkv, T, d, requires_grad=True) for _ in range(2))
+        storages = {}
+
+        def pack(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            if ranges:
+                lo, hi = anchored_context_ranges(anchors, valid, T, N)
+                attn.attend_ranges(q, context_kv, k, v, lo, hi, own_block_mask(N), chunk=16)
+            else:
+                mask = anchored_block_mask(anchors, valid, T, N)[:, None]
+                attn.attend(q, torch.cat([context_kv[0], k], 2), torch.cat([context_kv[1], v], 2), mask)
+        return sum(storages.values())
+
+    assert kept(1024, True) < 16.8 * kept(64, True)  # 16x the context and 16x the blocks: 16x the bytes
+    assert kept(1024, False) > 40 * kept(64, False)
 
 
 def test_cache_crop_and_engine_mask(verifier):

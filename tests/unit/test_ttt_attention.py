@@ -1,0 +1,145 @@
+"""`ttt_attention`'s prefix kernels (the CPU flash kernel, the chunked one, CUDA's fused ops) against plain autograd
+over the (T, T) scores: values and gradients of q, every key and every value, with GQA, with and without packed
+documents; and what they keep for backward, which grows linearly in T."""
+
+import warnings
+
+import pytest
+import torch
+
+from draftheads.data.documents import causal_document_mask, document_ids
+from draftheads.models.eagle import ttt_attention
+
+
+def positions(T):
+    """(2, T): row 0 packs documents of 10, 1, 19 and T-30 tokens, row 1 is one document; chunks of the prefix start
+    inside, at and across document boundaries."""
+    packed = list(range(10)) + [0] + list(range(19)) + list(range(T - 30))
+    return torch.tensor([packed, list(range(T))])
+
+
+def autograd_ttt(q, keys, values, prefix_mask=None):
+    """The reference: softmax over [causal (or `prefix_mask`) scores against K_0 | the chain's own scores], autograd
+    through the (B, nh, T, T) matrices."""
+    B, nh, T, d = q.shape
+    groups = nh // keys[0].shape[1]
+
+    def per_head(x):
+        return x.repeat_interleave(groups, dim=1)
+
+    scale = d ** -0.5
+    allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril() if prefix_mask is None else prefix_mask
+    prefix = (q @ per_head(keys[0]).transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))  # (B, nh, T, T)
+    own = [(q * per_head(k)).sum(-1, keepdim=True) * scale for k in keys[1:]]  # (B, nh, T, 1) each
+    exact = torch.promote_types(q.dtype, torch.float32)
+    p = torch.softmax(torch.cat([prefix, *own], dim=-1).to(exact), dim=-1)
+    out = p[..., :T] @ per_head(values[0]).to(exact)
+    for j, v in enumerate(values[1:]):
+        out = out + p[..., T + j, None] * per_head(v).to(exact)
+    return out
+
+
+def inputs(dtype, nkv, step, device="cpu", T=37, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, nh, d = 2, 4, 8
+
+    def make(heads):
+        return torch.randn(B, heads, T, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    return make(nh), [make(nkv) for _ in range(step + 1)], [make(nkv) for _ in range(step + 1)]
+
+
+def assert_matches_reference(q, keys, values, packed, rtol, **options):
+    rows = positions(q.shape[2]).to(q.device)
+    documents = document_ids(rows) if packed else None
+    out = ttt_attention(q, keys, values, documents, **options)
+    reference = autograd_ttt(q, keys, values, causal_document_mask(rows) if packed else None)
+    weights = torch.randn(reference.shape, generator=torch.Generator().manual_seed(1), dtype=reference.dtype)
+    weights = weights.to(q.device)
+    got = [out.to(reference.dtype)] + list(torch.autograd.grad((out * weights).sum(), [q, *keys, *values]))
+    want = [reference] + list(torch.autograd.grad((reference * weights).sum(), [q, *keys, *values]))
+    names = ["out", "dq"] + [f"dk{j}" for j in range(len(keys))] + [f"dv{j}" for j in range(len(values))]
+    for name, a, b in zip(names, got, want):
+        error = ((a.to(b.dtype) - b).abs().max() / b.abs().max()).item()  # relative to the tensor's scale
+        assert error <= rtol, f"{name}: {error:.2e} relative ({options}, packed={packed})"
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+@pytest.mark.parametrize("nkv", [4, 2])  # MHA and GQA
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("options", [dict(kernel="fused"), dict(kernel="fused", chunk=8), dict(kernel="chunked"),
+                                     dict(kernel="chunked", chunk=5)], ids=["fused", "fused-8", "chunked", "chunked-5"])
+def test_every_kernel_equals_autograd_over_the_full_scores(dtype, rtol, nkv, packed, options):
+    for step in (0, 1, 3):  # step 0: the prefix alone
+        q, keys, values = inputs(dtype, nkv, step, seed=step)
+        assert_matches_reference(q, keys, values, packed, rtol, **options)
+
+
+def test_bf16_within_bf16_rounding():
+    for options in (dict(kernel="fused"), dict(kernel="chunked", chunk=8)):
+        q, keys, values = inputs(torch.bfloat16, 2, 3)
+        assert_matches_reference(q, keys, values, True, 0.03, **options)
+
+
+def saved_bytes(T, packed, **options):
+    """Bytes the attention keeps for backward (saved_tensors_hooks), GQA, step 3."""
+    q, keys, values = inputs(torch.float32, 2, 3, T=T)
+    rows = torch.arange(T).remainder(T // 3).expand(2, T)  # three documents a row
+    total = 0
+
+    def pack(x):
+        nonlocal total
+        total += x.numel() * x.element_size()
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        ttt_attention(q, keys, values, document_ids(rows) if packed else None, **options)
+    return total
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("options", [dict(kernel="fused"), dict(kernel="chunked", chunk=32)], ids=["fused", "chunked"])
+def test_what_is_kept_for_backward_grows_linearly_in_T(packed, options):
+    small, large = saved_bytes(96, packed, **options), saved_bytes(384, packed, **options)
+    assert large <= 4.05 * small, f"{small} bytes at T=96, {large} at T=384: not linear in T"
+    q, keys, values = inputs(torch.float32, 2, 3, T=384)  # the reference keeps (T, T) matrices: the check can fail
+    total = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: total.append(x.numel() * x.element_size()) or x,
+                                                  lambda x: x):
+        autograd_ttt(q, keys, values)
+    assert sum(total) > 8 * large
+
+
+def test_a_bad_kernel_name_is_refused():
+    q, keys, values = inputs(torch.float32, 2, 1)
+    with pytest.raises(ValueError, match="kernel='flash'; expected 'fused' or 'chunked'"):
+        ttt_attention(q, keys, values, kernel="flash")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 0.03)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_fused_kernels_equal_autograd_without_falling_back(dtype, rtol, packed):
+    """The flash op (bf16, one document a row) and the memory-efficient op (fp32, packed rows) on the GPU; a
+    fallback to the chunked prefix would warn, which fails here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in (0, 3):
+            q, keys, values = inputs(dtype, 2, step, device="cuda", T=37, seed=step)
+            q64, k64, v64 = inputs(dtype, 2, step, device="cuda", T=64, seed=step)  # aligned lengths too
+            assert_matches_reference(q, keys, values, packed, rtol, kernel="fused")
+            assert_matches_reference(q64, k64, v64, packed, rtol, kernel="fused", chunk=16)
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_a_failing_fused_kernel_hands_over_to_the_chunked_one(monkeypatch, stage):
+    """What guards CUDA's fused ops, run on the CPU's: the kernel raises, a warning says so, the results stay exact."""
+    from draftheads.models.eagle import ttt
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no kernel for these inputs")
+
+    monkeypatch.setattr(ttt._CpuFlashPrefix, stage, staticmethod(refuse))
+    q, keys, values = inputs(torch.float32, 2, 3)
+    with pytest.warns(UserWarning, match="cpu-flash attention kernel failed .*no kernel for these inputs.*chunked"):
+        assert_matches_reference(q, keys, values, True, 1e-5, kernel="fused", chunk=8)
