@@ -23,8 +23,9 @@ Why each step:
   it, the drafter.
 - DeepSpeed, not the loop, accumulates, clips and steps (`accelerator.backward` runs the engine's step at the
   accumulation boundary): its gradient_accumulation_steps and gradient_clipping must be the run's train.grad_accum and
-  train.grad_clip (`auto` or absent: filled with them here, as are the batch sizes), its bf16/fp16 the run's train.mixed_precision; the run's
-  own optimizer and schedule are used (a DeepSpeed `optimizer` / `scheduler` section is refused).
+  train.grad_clip (`auto` or absent: filled with them here, as are the batch sizes), its bf16/fp16 the run's
+  train.mixed_precision; the run's own optimizer and schedule are used (a DeepSpeed `optimizer` / `scheduler`
+  section is refused).
 """
 
 from __future__ import annotations
@@ -101,8 +102,8 @@ def settle_deepspeed(accelerator, cfg: RunConfig) -> None:
     stage = int(zero.get("stage", 0))
     for section in ("optimizer", "scheduler"):
         if section in config:
-            raise ConfigError(f"{key(section)}: draftheads trains with its own optimizer and schedule (train.optimizer, "
-                              f"train.lr, train.warmup_steps); remove the {section} section")
+            raise ConfigError(f"{key(section)}: draftheads trains with its own optimizer and schedule "
+                              f"(train.optimizer, train.lr, train.warmup_steps); remove the {section} section")
     if cfg.train.optimizer == "muon":
         raise ConfigError(f"train.optimizer=muon under DeepSpeed ({source}): ZeRO hands the optimizer flat 1-D "
                           "partitions, not the matrices Muon orthogonalises; use train.optimizer=adamw or "
@@ -145,8 +146,8 @@ def settle_deepspeed(accelerator, cfg: RunConfig) -> None:
             raise ConfigError(f"{source}: deepspeed_config.zero3_init_flag=true: draftheads loads the frozen verifier "
                               "whole on every process and builds the drafter outside DeepSpeed; set it to false")
         if not zero.get("stage3_gather_16bit_weights_on_model_save", False):
-            raise ConfigError(f"{key('zero_optimization.stage3_gather_16bit_weights_on_model_save', 'zero3_save_16bit_model')}"
-                              "=false: the export and the train/serve check gather the drafter's whole weights "
+            name = key("zero_optimization.stage3_gather_16bit_weights_on_model_save", "zero3_save_16bit_model")
+            raise ConfigError(f"{name}=false: the export and the train/serve check gather the drafter's whole weights "
                               "(accelerator.get_state_dict), which ZeRO-3 then refuses; set it to true")
 
 

@@ -7,9 +7,10 @@ at the same seed and global batch (2 processes x batch 2): the same per-step los
 (measured: ZeRO-2 bit-equal, ZeRO-3 within 1e-6, its reduce-scatter summing in another order). That the DeepSpeed
 engine trained, not DDP standing in, is read from the run: the trainer's `[deepspeed] DeepSpeedEngine ZeRO-N` line
 (the prepared model's own class and stage) and DeepSpeed's checkpoint files (one optimizer shard per process; under
-ZeRO-3 one weight shard per process too). The ZeRO-3 export, gathered from the shards, must equal the checkpoint's
-weights consolidated by DeepSpeed's own zero_to_fp32. Launches a DeepSpeed config would silently not honour are
-refused in one line (ACCELERATE_USE_CPU turning it into DDP; a gradient_clipping that is not train.grad_clip).
+ZeRO-3 one weight shard per process too). The export (under ZeRO-3 gathered from the shards) must equal the
+checkpoint's weights consolidated by DeepSpeed's own zero_to_fp32. Launches a DeepSpeed config would silently not
+honour are refused in one line (ACCELERATE_USE_CPU turning it into DDP; a gradient_clipping that is not
+train.grad_clip).
 """
 
 import json
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.test_multiprocess import COMMON, METHODS, env, max_abs_difference, moved
-from tests.utils import save_tiny_verifier_with_tokenizer
+from tests.utils import free_port, save_tiny_verifier_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = (2, 3)
@@ -50,7 +51,8 @@ def launch(head: list[str], args: list[str], cwd: Path, environment: dict) -> su
                           text=True, timeout=300)
 
 
-def deepspeed_launch(stage: int, args: list[str], cwd: Path, processes: int = 2, **extra) -> subprocess.CompletedProcess:
+def deepspeed_launch(stage: int, args: list[str], cwd: Path, processes: int = 2,
+                     **extra) -> subprocess.CompletedProcess:
     config = ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}_cpu.yaml"
     return launch(["--config_file", str(config), f"--num_processes={processes}"], args, cwd, deepspeed_env(**extra))
 
@@ -70,7 +72,7 @@ def ddp(tmp_path_factory, verifier_dir):
     """The reference: plain DDP, 2 processes x batch 2, uninterrupted."""
     root = tmp_path_factory.mktemp("ds-ddp")
     head = ["--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
-            "--main_process_port=0"]
+            f"--main_process_port={free_port()}"]
     result = launch(head, eagle_args(verifier_dir, root / "run"), root, env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "[deepspeed]" not in result.stdout
@@ -124,10 +126,10 @@ def test_killed_and_resumed_run_equals_ddp(zero_run, ddp, verifier_dir):
     assert difference <= 1e-5
 
 
-def test_zero3_export_is_the_gathered_checkpoint(zero_run):
-    stage, run, _ = zero_run
-    if stage != 3:
-        pytest.skip("ZeRO-3 only: ZeRO-2 keeps whole weights on every process")
+def test_export_is_the_checkpoint_consolidated(zero_run):
+    """The export (under ZeRO-3 gathered from the processes' shards) holds exactly the fp32 weights that DeepSpeed's
+    zero_to_fp32 rebuilds from the last checkpoint's per-process partitions."""
+    _, run, _ = zero_run
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(run / "step-000004"), tag="pytorch_model")
