@@ -12,7 +12,7 @@ want=$(cat pyproject.toml scripts/setup_env.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
   echo "[setup] installing draftheads and its dependencies into .venv (first run takes a minute or two)"
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${DRAFTHEADS_TORCH:-2.13.0}"
-  python -m pip install -q -e ".[dev,cuda]"
+  python -m pip install -q -e ".[dev,cuda,deepspeed]"  # deepspeed: the e2e tier runs ZeRO on the CPU
   echo "$want" > "$stamp"
 fi
 export TOKENIZERS_PARALLELISM=false

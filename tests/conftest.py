@@ -65,7 +65,7 @@ def one_thread():
 #: each other share a group, which one worker runs in order: multi-process launches (accelerate launch and torchrun
 #: take the default rendezvous port 29500) and the real engines (one vLLM set-up for the whole interop suite).
 XDIST_GROUPS = {
-    "launch": ("/test_multiprocess.py::", "/test_fsdp.py::", "::test_two_processes",
+    "launch": ("/test_multiprocess.py::", "/test_fsdp.py::", "/test_deepspeed.py::", "::test_two_processes",
                "test_hidden_states.py::test_two_processes_split_the_shards"),
     "interop": ("tests/e2e/interop/",),
     "reliability": ("test_reliability.py::",),  # one module-scoped catalogue, built once, not once per worker

@@ -46,6 +46,7 @@ from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import export_drafter, load_verifier
 from draftheads.train.run_folder import record_run_resolved
 from draftheads.train.tracking import build_accelerator, start_tracking
+from draftheads.train.zero import engine_line
 
 
 @dataclass
@@ -121,6 +122,8 @@ def main(cfg: DFlashRunConfig) -> dict:
     optimizer = build_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, cfg)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    if (engine := engine_line(model)) is not None:  # DeepSpeed: which engine trains, stated
+        accelerator.print(engine)
     accelerator.register_for_checkpointing(scheduler)
     features = feature_source(cfg, verifier, layer_ids=drafter.feature_layers)
     # Anchors come from torch's global RNG, which the checkpoints save and restore, so a resumed run draws what the

@@ -50,6 +50,7 @@ from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import export_drafter, load_verifier, sharded_weights
 from draftheads.train.run_folder import record_run_resolved
 from draftheads.train.tracking import build_accelerator, start_tracking
+from draftheads.train.zero import engine_line
 
 
 @dataclass
@@ -136,6 +137,8 @@ def main(cfg: EagleRunConfig) -> dict:
     optimizer = build_optimizer(model, cfg)
     scheduler = cosine_schedule(optimizer, cfg)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    if (engine := engine_line(model)) is not None:  # DeepSpeed: which engine trains, stated
+        accelerator.print(engine)
     accelerator.register_for_checkpointing(scheduler)
     features = feature_source(cfg, verifier, layer_ids=drafter.feature_layers)
 

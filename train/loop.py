@@ -52,9 +52,10 @@ class NonFiniteWeightsError(NonFiniteLossError):
 
 
 def all_finite(params) -> torch.Tensor:
-    """A device bool: every value of every tensor in `params` is finite (a shard's local part under FSDP). No host
-    sync."""
-    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in params]
+    """A device bool: every value of every tensor in `params` is finite (a shard's local part under FSDP, and under
+    DeepSpeed ZeRO-3, whose parameters are empty outside forward, the partition `ds_tensor`). No host sync."""
+    flags = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else getattr(p, "ds_tensor", p)).all()
+             for p in params]
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool)
 
 

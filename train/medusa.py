@@ -53,6 +53,7 @@ from draftheads.train.loop import TrainLoop
 from draftheads.train.optim import build_optimizer, cosine_schedule
 from draftheads.train.placement import load_verifier, sharded_weights, unsharded
 from draftheads.train.tracking import build_accelerator, log_table, start_tracking
+from draftheads.train.zero import engine_line
 
 
 @dataclass
@@ -234,6 +235,8 @@ def main(cfg: MedusaRunConfig) -> dict:
     scheduler = cosine_schedule(optimizer, cfg)  # warm-up, then cosine to lr x min_lr_ratio, per param group
 
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    if (engine := engine_line(model)) is not None:  # DeepSpeed: which engine trains, stated
+        accelerator.print(engine)
     accelerator.register_for_checkpointing(scheduler)
     trainable = [p for p in model.parameters() if p.requires_grad]
     max_rank = max(5, cfg.medusa.tree_max_rank)

@@ -16,6 +16,7 @@ import torch
 from draftheads.eval.measure.wandb_check import TrackingError, prepare_wandb
 from draftheads.train.config import ConfigError, RunConfig, config_dict
 from draftheads.train.run_folder import claim_run_folder, on_main_process
+from draftheads.train.zero import before_accelerator, settle_deepspeed
 
 
 def build_accelerator(cfg: RunConfig):
@@ -33,7 +34,9 @@ def build_accelerator(cfg: RunConfig):
         log_with=log_with,
         project_dir=cfg.output_dir,
         step_scheduler_with_optimizer=False,  # we step the schedule once per optimizer step, whatever the world size
+        kwargs_handlers=before_accelerator(),  # DeepSpeed without GPUs: the gloo group (train/zero.py)
     )
+    settle_deepspeed(accelerator, cfg)  # a DeepSpeed launch trains what the run config says, or stops here
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > 1 and accelerator.num_processes != launched:
         # `accelerate launch --multi_gpu` on a machine without GPUs starts N independent single-process runs that
