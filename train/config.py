@@ -178,6 +178,18 @@ class RunConfig:
             raise ConfigError("features=offline needs feature_cache: the folder written by `draftheads dump-features`")
 
 
+
+@dataclass
+class ExportedRunConfig(RunConfig):
+    """A run whose drafter can be exported in more than one engine layout (EAGLE, DFlash)."""
+
+    engine: Literal["vllm", "sglang", "speculators"] = "vllm"
+    """Layout of the exported drafter (models/layouts/): vLLM's (SGLang reads EAGLE-3 and DFlash in it too), SGLang's
+    own EAGLE layout (midlayer.*), or the speculators library's (served by `vllm serve DRAFTER_DIR` with no flags).
+    Settings the engine would read differently from how the drafter trains are refused when the config is read."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype of the exported weights (training keeps fp32 master weights either way)."""
+
 def check_finite(cfg, prefix: str = "") -> None:
     """Every float setting of a config (nested sections, lists and tuples included) must be a finite number: YAML's
     `.nan` / `.inf` or `1e999` are refused naming the key, whatever the field's own range check would let through."""

@@ -28,7 +28,6 @@ In order (the drafter, its anchored blocks and loss live in models/dflash/):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -36,7 +35,7 @@ from draftheads.data.progress import quiet
 from draftheads.models.dflash import DFlashConfig, DFlashTrainModule, build_drafter
 from draftheads.models.export import check_dflash_engine, check_dflash_verifier, export_dflash
 from draftheads.train.cli import main_guard
-from draftheads.train.config import ConfigError, RunConfig
+from draftheads.train.config import ConfigError, ExportedRunConfig
 from draftheads.train.features import batch_tokens, feature_source
 from draftheads.train.finish import finish_run
 from draftheads.train.heldout import chain_eval_values, chain_sums, heldout_sums
@@ -50,19 +49,13 @@ from draftheads.train.zero import engine_line
 
 
 @dataclass
-class DFlashRunConfig(RunConfig):
+class DFlashRunConfig(ExportedRunConfig):
     """A DFlash drafter training run."""
 
     output_dir: str = "runs/dflash"
     """Run folder: config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints and the exported drafter in drafter/."""
     dflash: DFlashConfig = field(default_factory=DFlashConfig)
     """The drafter: layers, block size, target layers, mask token, anchors and the loss decay."""
-    engine: Literal["vllm", "sglang", "speculators"] = "vllm"
-    """Layout of the exported drafter (models/layouts/dflash_*.py): z-lab's (vLLM and SGLang read it), or the
-    speculators library's. Settings the engine would read differently from how the drafter trains are refused
-    when the config is read."""
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the exported weights (training keeps fp32 master weights either way)."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -31,7 +31,6 @@ In order (the drafter, the training-time-test unroll and the losses live in mode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
@@ -40,7 +39,7 @@ from draftheads.models.eagle import EagleConfig, EagleOutput, EagleTrainModule, 
 from draftheads.eval.drafters.eagle import TREE_TOP_K
 from draftheads.models.export import check_eagle_engine, export_eagle
 from draftheads.train.cli import main_guard
-from draftheads.train.config import ConfigError, RunConfig
+from draftheads.train.config import ConfigError, ExportedRunConfig
 from draftheads.train.finish import finish_run
 from draftheads.train.features import batch_tokens, feature_source
 from draftheads.train.heldout import chain_eval_values, chain_sums, heldout_sums
@@ -54,19 +53,13 @@ from draftheads.train.zero import engine_line
 
 
 @dataclass
-class EagleRunConfig(RunConfig):
+class EagleRunConfig(ExportedRunConfig):
     """An EAGLE-1 / EAGLE-3 drafter training run."""
 
     output_dir: str = "runs/eagle"
     """Run folder: config.yaml, metrics.jsonl, step-NNNNNN/ checkpoints and the exported drafter in drafter/."""
     eagle: EagleConfig = field(default_factory=EagleConfig)
     """The drafter: version, feature layers, draft vocabulary, TTT steps and loss weights."""
-    engine: Literal["vllm", "sglang", "speculators"] = "vllm"
-    """Layout of the exported drafter (models/layouts/): vLLM's (layers.0.*; SGLang reads its EAGLE-3 too),
-    SGLang's (midlayer.*), or the speculators library's (served by `vllm serve DRAFTER_DIR` with no flags). Settings
-    the engine would read differently from how the drafter trains are refused when the config is read."""
-    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """dtype of the exported weights (training keeps fp32 master weights either way)."""
     num_speculative_tokens: int = 3
     """engine=speculators: the draft tokens per step written into the export (what vLLM drafts when it serves the
     folder directly)."""
