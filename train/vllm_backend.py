@@ -19,6 +19,7 @@ request with the row's last document, as the HF path computes it (positions coun
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -103,3 +104,39 @@ def start_capture(cfg, verifier, layer_ids: list[int], storage: Path, tensor_par
                         capture_layers=aux_ids(layer_ids, verifier.num_layers), storage=storage,
                         tensor_parallel_size=tensor_parallel_size, seed=cfg.train.seed, env=env)
     return engine.start()
+
+
+class VllmGenerator:
+    """What `draftheads regenerate --backend vllm` generates with: `train.regenerate` reads `config` (the context
+    it may fill: vLLM's max_model_len) and calls `generate_ids`; a running VllmEngine does the work."""
+
+    def __init__(self, engine, max_model_len: int, seed: int = 0):
+        from types import SimpleNamespace
+
+        self.engine, self.seed = engine, seed
+        self.config = SimpleNamespace(max_position_embeddings=max_model_len)
+
+    @classmethod
+    @contextmanager
+    def start(cls, folder: str | os.PathLike, dtype: str, tensor_parallel_size: int = 1, seed: int = 0,
+              max_model_len: int | None = None):
+        """A started generator over the verifier folder (stopped at the end of the block); max_model_len: vLLM's
+        context, default the model's max_position_embeddings."""
+        import json
+
+        from draftheads.eval.interop.vllm_data import VllmEngine
+
+        context = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
+        max_model_len = max_model_len or context or 2048
+        with VllmEngine(folder, dtype=dtype, max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                        seed=seed) as engine:
+            yield cls(engine, max_model_len, seed)
+
+    def generate_ids(self, prompts: list[list[int]], stop_ids: list[int], max_new_tokens: int,
+                     temperature: float) -> list[list[int]]:
+        """New token ids per prompt (a stop id, when one ended it, last); at temperature > 0 the requests of a run
+        are seeded seed, seed + 1, ... in order, so a rerun samples the same rows."""
+        out = self.engine.generate(prompts, max_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids,
+                                   seed=self.seed)
+        self.seed += len(prompts)
+        return out

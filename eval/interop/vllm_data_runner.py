@@ -94,7 +94,7 @@ class Engine:
 
         temperature, seed = float(job.get("temperature", 0.0)), int(job.get("seed", 0))
         params = [SamplingParams(max_tokens=int(job["max_tokens"]), temperature=temperature,
-                                 top_p=float(job.get("top_p", 1.0)), top_k=0 if temperature > 0 else -1,
+                                 top_p=float(job.get("top_p", 1.0)),
                                  stop_token_ids=list(job.get("stop_ids") or []), ignore_eos=True,
                                  seed=seed + i if temperature > 0 else None)
                   for i in range(len(job["prompts"]))]

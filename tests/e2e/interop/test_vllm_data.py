@@ -195,3 +195,69 @@ def test_a_verifier_vllm_cannot_run_is_one_line_from_vllm(tmp_path, text_rows, v
                          *eagle3_args(verifier, text_rows, tmp_path / "unused")], capsys)
     assert code == 2 and len(err) == 1, err
     assert "vLLM failed" in err[0] and "head_dim=16" in err[0], err
+
+
+# ---- regeneration ---------------------------------------------------------------------------------------------------
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory, vllm_ready):
+    """Chat and text rows regenerated at T = 0 by both backends (one vLLM start), and the first turns' new token
+    ids from each, with the fp32 verifier to judge where they part."""
+    from draftheads.data.chat import end_of_turn_ids, render_chat, resolve_chat_template
+    from draftheads.train.regenerate import generate_batch, load_for_generation, regenerate
+    from draftheads.train.vllm_backend import VllmGenerator
+    from tests.chat_tokenizers import chatml_tokenizer
+    from tests.unit.test_data_chat import CONVERSATION
+    from tests.utils import save_tiny_verifier
+
+    tok = chatml_tokenizer()
+    folder = save_tiny_verifier(tmp_path_factory.mktemp("regen") / "verifier", "llama", vocab_size=len(tok),
+                                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **SIZE)
+    tok.save_pretrained(folder)
+    chats = [{"messages": CONVERSATION}, {"messages": [{"role": "user", "content": "Hi"}]}]
+    chats += [{"messages": [{"role": "user", "content": f"Question {i}: what is {i} * {i + 3}?"},
+                            {"role": "assistant", "content": "old"}, {"role": "user", "content": "Why?"}]}
+              for i in range(10)]
+    texts = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 2} for i in range(12)]
+    model, tokenizer = load_for_generation(folder, "float32", "cpu")
+    template = resolve_chat_template(tokenizer, None)
+    stop_ids = end_of_turn_ids(tokenizer, template)
+    prompts = [tokenizer(render_chat([m for m in row["messages"] if m["role"] != "assistant"][:1], tokenizer,
+                                     template, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+               for row in chats]
+    rows, ids = {}, {}
+    with VllmGenerator.start(folder, "float32", seed=0) as vllm:
+        for backend, m, batch in (("hf", model, 4), ("vllm", vllm, 256)):
+            rows[backend] = [list(regenerate(m, tokenizer, source, max_new_tokens=MAX_NEW, batch_size=batch,
+                                             prefix_tokens=8, progress=False)) for source in (chats, texts)]
+            ids[backend] = generate_batch(m, prompts, [], tokenizer.pad_token_id, MAX_NEW, 0.0)  # no stop
+    return {"rows": rows, "ids": ids, "prompts": prompts, "model": model}
+
+
+def test_vllm_regenerates_the_rows_hf_does_at_temperature_zero(regenerated):
+    hf, vllm = regenerated["rows"]["hf"], regenerated["rows"]["vllm"]
+    same = sum(a == b for h, v in zip(hf, vllm, strict=True) for a, b in zip(h, v, strict=True))
+    total = sum(len(h) for h in hf)
+    print(f"\nregenerate --backend vllm vs hf at T = 0: {same} of {total} rows identical")
+    assert total == 24 and same == total
+
+
+def test_vllm_greedy_tokens_part_from_hf_only_at_near_ties(regenerated):
+    """Token by token, with no stop: where the two differ, the fp32 verifier's top two logits at the first
+    difference are within 1e-4 of each other (a near-tie the two computations may round either way)."""
+    model, prompts = regenerated["model"], regenerated["prompts"]
+    parted = []
+    for prompt, a, b in zip(prompts, regenerated["ids"]["hf"], regenerated["ids"]["vllm"], strict=True):
+        assert len(a) == len(b) == MAX_NEW
+        j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if j is None:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + a[:j]])).logits[0, -1].float()
+        top = logits.topk(2).values
+        parted.append((j, float(top[0] - top[1])))
+    print(f"\ngreedy tokens, vLLM vs HF: {len(prompts) - len(parted)} of {len(prompts)} prompts identical for "
+          f"{MAX_NEW} tokens; parted at (token, top-2 logit gap): {parted}")
+    assert all(gap <= 1e-4 for _, gap in parted), parted
