@@ -188,6 +188,19 @@ def check_model_folder(folder: str | Path) -> Path:
     return folder
 
 
+def check_writable(path: str | Path) -> None:
+    """Raise OSError (or DataError for a folder) unless a file can be written at `path`: its folder is made, and
+    a probe file created and removed in it."""
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"--out {str(path)!r} is a folder; expected a .jsonl file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+        pass
+
+
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
@@ -259,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     from draftheads.eval.interop.vllm_peer import VllmUnavailable
 
     try:
+        check_writable(args.out)  # before a model is loaded or vLLM started
         rows = load_source(args.source, args.format, args.strict)
         if args.num_rows is not None:
             rows = rows.select(range(min(args.num_rows, len(rows))))
@@ -279,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                 seed=args.seed, stats=stats))
     except (DataError, VllmError, VllmUnavailable) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, a folder that cannot be written
+        sys.exit(f"error: --out {args.out}: cannot write ({e.strerror or e}{f': {e.filename}' if e.filename else ''})")
     notes = "; ".join(f"{n} {what}" for what, n in stats.items())
     print(f"wrote {written} rows to {args.out}" + (f" ({notes})" if notes else ""))
 

@@ -103,3 +103,8 @@ def test_backend_flags_and_a_missing_vllm_are_one_line(tmp_path, verifier_dir, c
     with pytest.raises(SystemExit, match=r"^error: vLLM is not installed: run `bash scripts/setup_vllm.sh`"):
         main([*base, "--backend", "vllm"])
     assert not (tmp_path / "out.jsonl").exists()
+    # an output that cannot be written: said before anything is loaded
+    with pytest.raises(SystemExit, match=r"^error: --out .*/nope/out.jsonl: cannot write \(Not a directory"):
+        main([*base[:4], "--out", str(source / "nope" / "out.jsonl"), "--backend", "vllm"])
+    with pytest.raises(SystemExit, match=r"^error: --out .* is a folder; expected a .jsonl file path"):
+        main([*base[:4], "--out", str(tmp_path), "--backend", "vllm"])
