@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from draftheads.eval.interop.vllm_peer import vllm_python
@@ -50,6 +51,7 @@ class VllmEngine:
         """An error named the log, which close() then keeps."""
         self.version: str | None = None
         self.log: Path | None = None
+        self.start_s: float | None = None
 
     def start(self) -> "VllmEngine":
         python = vllm_python()
@@ -59,8 +61,11 @@ class VllmEngine:
         with os.fdopen(fd, "w") as err:
             self.proc = subprocess.Popen([python, str(RUNNER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=err, env=env, text=True, bufsize=1)
+        t0 = time.perf_counter()
         try:
             self.version = self._ask(self.job)["vllm"]
+            self.start_s = time.perf_counter() - t0
+            """Seconds vLLM took to start (import, load, warm-up)."""
         except BaseException:
             self.close(keep_log=True)
             raise
