@@ -52,6 +52,9 @@ VERSION = 2
 #: What a cache of an older version lacks, for the one-line refusal.
 OLD_VERSIONS = {1: "no position_ids (its packed rows' features attended across document boundaries)"}
 METHODS = ("medusa", "eagle1", "eagle3", "dflash")
+#: What computes a cache's features (recorded in index.json): the verifier's Hugging Face forward, or vLLM's
+#: extract_hidden_states (train/vllm_backend.py); both write the same format.
+BACKENDS = ("hf", "vllm")
 SPLITS = ("train", "eval")
 #: Feature dtypes a cache may store: name -> (safetensors dtype code, bytes per value).
 FEATURE_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}

@@ -3,6 +3,7 @@ drafter's loss reads (format: data/hidden_states.py), so training can read files
 
     draftheads dump-features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny
     accelerate launch -m draftheads.train.dump_features --config configs/llama3-8b-eagle3.yaml --out /data/cache   # N GPUs
+    draftheads dump-features --config configs/eagle3-tiny.yaml --out cache/eagle3-tiny --backend vllm   # vLLM computes
     draftheads cache verify cache/eagle3-tiny            # sizes, headers and sha256 of every shard
     python train/eagle.py --config configs/eagle3-tiny.yaml --features=offline --feature_cache=cache/eagle3-tiny
 
@@ -10,14 +11,21 @@ The same YAML drives the dump and the training run: the dump parses it with the 
 builds the rows with `data.batching.build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)`, the rows training
 sees. It works in one process or under `accelerate launch` (shard i by process i % world size, one index at the
 end); shards already done are skipped, so rerunning the same command after a crash continues.
+
+Two backends compute the features and write the same cache (the backend recorded in index.json): `hf`, the
+verifier's Hugging Face forward in this process (the reference, default), and `vllm`, vLLM's
+`extract_hidden_states` in vLLM's own environment (train/vllm_backend.py: which vLLM layer is which of ours, and
+packed rows), one vLLM per process, `--tensor-parallel-size` GPUs each.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -28,6 +36,7 @@ import torch
 from draftheads.data.batching import build_datasets
 from draftheads.data.documents import join_padding
 from draftheads.data.hidden_states import (
+    BACKENDS,
     FEATURE_DTYPES,
     FORMAT,
     METHODS,
@@ -49,6 +58,10 @@ from draftheads.models.outputs import OutputInTheWay, claim_output
 from draftheads.models.verifier import folder_content, resolve_verifier
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.placement import load_verifier
+from draftheads.train.vllm_backend import VllmFeatures, aux_ids, start_capture
+
+#: What a plan started before a key existed had (a cache started before backends were recorded was HF's).
+PLAN_ADDED = {"backend": "hf"}
 
 
 # ---- what a run needs ----------------------------------------------------------------------------------------------
@@ -93,14 +106,19 @@ class DumpResult:
 
 
 def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "bfloat16", rows_per_shard: int = 256,
-         batch_size: int | None = None, say=print) -> DumpResult:
+         batch_size: int | None = None, say=print, backend: str = "hf", tensor_parallel_size: int = 1) -> DumpResult:
     """Run the frozen verifier over the run's train and held-out rows and write the cache to `out` (see module doc).
 
     Works in one process or under `accelerate launch` (shard i by process i % world size). Shards already done are
-    skipped, so rerunning the same command after a crash continues.
+    skipped, so rerunning the same command after a crash continues. `backend`: "hf" (this process's forward) or
+    "vllm" (vLLM's extract_hidden_states, `tensor_parallel_size` devices per process).
     """
     from accelerate import PartialState
 
+    if backend not in BACKENDS:
+        raise CacheError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if tensor_parallel_size < 1 or (tensor_parallel_size > 1 and backend != "vllm"):
+        raise CacheError(f"tensor_parallel_size={tensor_parallel_size}: expected 1, or more with backend vllm")
 
     if dtype not in FEATURE_DTYPES:
         raise CacheError(f"dtype={dtype!r}: expected one of {sorted(FEATURE_DTYPES)}")
@@ -136,21 +154,28 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
         if changed:
             raise CacheError(f"{plan_path}: this cache was started from other inputs ({'; '.join(changed)}); use a "
                              f"new --out folder or delete {folder}")
-    verifier, tokenizer = load_verifier(cfg, state.device)
-    if cfg.data.pack and cfg.data.document_mask:
+    # vLLM holds the verifier on the device; this process needs it only for its shape and final norm (vllm_backend)
+    verifier, tokenizer = load_verifier(cfg, "cpu" if backend == "vllm" else state.device)
+    if cfg.data.pack and cfg.data.document_mask and backend == "hf":
         verifier.check_document_mask()  # one short forward: refuse a model that would attend across documents
     layer_ids = layers_for(method, cfg, verifier)
     datasets = dict(zip(SPLITS, build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)))
     plan = {"format": FORMAT, "version": VERSION, "method": method, "verifier": verifier.describe(),
             "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
             "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
-            "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs}
+            "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs,
+            "backend": backend}
     if before:
-        changed = [k for k in plan if k != "inputs" and before.get(k) != plan[k]]
+        was = {**PLAN_ADDED, **before}
+        changed = [k for k in plan if k != "inputs" and was.get(k) != plan[k]]
         if changed:
             k = changed[0]
-            raise CacheError(f"{plan_path}: this cache was started with {k}={before.get(k)!r}, this dump has "
+            raise CacheError(f"{plan_path}: this cache was started with {k}={was.get(k)!r}, this dump has "
                              f"{k}={plan[k]!r}; use a new --out folder or delete {folder}")
+    if backend == "vllm":
+        from draftheads.eval.interop.vllm_peer import vllm_python
+
+        vllm_python()  # no vLLM: say how to set it up before anything is written
     state.wait_for_everyone()
     if main:
         write_json(plan_path, plan)
@@ -165,19 +190,32 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     micro = batch_size or cfg.train.batch_size
     written, skipped = [], []
     started = time.perf_counter()
-    for split, ds in datasets.items():
-        n_shards = -(-len(ds) // rows_per_shard)
-        for s in range(state.process_index, n_shards, state.num_processes):
-            name = shard_name(split, s)
-            lo, hi = s * rows_per_shard, min(len(ds), (s + 1) * rows_per_shard)
-            if shard_done(folder, name, hi - lo):
-                skipped.append(name)
-                continue
-            rows = ds[lo:hi]  # {key: (n, T)} int64 tensors
-            tensors = _run_verifier(verifier, rows, layer_ids, to_dtype(dtype), micro)
-            _write_shard(folder, name, tensors, hi - lo, plan)
-            written.append(name)
-            say(f"[dump] {name}: {hi - lo} rows ({time.perf_counter() - started:.0f} s)")
+    engine = None  # vLLM, started at the first shard to compute (a finished cache costs no start)
+    try:
+        for split, ds in datasets.items():
+            n_shards = -(-len(ds) // rows_per_shard)
+            for s in range(state.process_index, n_shards, state.num_processes):
+                name = shard_name(split, s)
+                lo, hi = s * rows_per_shard, min(len(ds), (s + 1) * rows_per_shard)
+                if shard_done(folder, name, hi - lo):
+                    skipped.append(name)
+                    continue
+                rows = ds[lo:hi]  # {key: (n, T)} int64 tensors
+                if backend == "vllm":
+                    if engine is None:
+                        engine = _start_vllm(cfg, verifier, layer_ids, folder, state, tensor_parallel_size, say)
+                    tensors = VllmFeatures(engine, verifier, layer_ids, to_dtype(dtype))(rows)
+                else:
+                    tensors = _run_verifier(verifier, rows, layer_ids, to_dtype(dtype), micro)
+                _write_shard(folder, name, tensors, hi - lo, plan)
+                written.append(name)
+                say(f"[dump] {name}: {hi - lo} rows ({time.perf_counter() - started:.0f} s)")
+    finally:
+        if engine is not None:
+            engine.close()
+            shutil.rmtree(engine.storage, ignore_errors=True)
+            with contextlib.suppress(OSError):  # the last process out removes the folder
+                engine.storage.parent.rmdir()
     state.wait_for_everyone()
     actual = None
     if main:
@@ -187,6 +225,20 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
             f"({actual / max(estimate, 1):.3f} x the estimate of {human(estimate)}); index {folder / 'index.json'}")
     state.wait_for_everyone()
     return DumpResult(folder, written, skipped, estimate, actual)
+
+
+def _start_vllm(cfg, verifier, layer_ids, folder: Path, state, tensor_parallel_size: int, say):
+    """This process's vLLM capture engine; under `accelerate launch` on GPUs, process i gets its own devices."""
+    env = {}
+    if state.num_processes > 1 and torch.cuda.is_available():
+        first = state.local_process_index * tensor_parallel_size
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(tensor_parallel_size))
+    t0 = time.perf_counter()
+    engine = start_capture(cfg, verifier, layer_ids, folder / ".vllm-states" / str(state.process_index),
+                           tensor_parallel_size, env)
+    say(f"[dump] vLLM {engine.version} started in {time.perf_counter() - t0:.0f} s (extract_hidden_states, aux "
+        f"layers {aux_ids(layer_ids, verifier.num_layers)})")
+    return engine
 
 
 @torch.no_grad()
@@ -282,6 +334,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(FEATURE_DTYPES), default="bfloat16", help="feature dtype on disk")
     p.add_argument("--rows-per-shard", "--rows_per_shard", dest="rows_per_shard", type=int, default=256, help="rows per safetensors shard")
     p.add_argument("--batch-size", "--batch_size", dest="batch_size", type=int, help="verifier micro-batch (default train.batch_size)")
+    p.add_argument("--backend", choices=BACKENDS, default="hf",
+                   help="what computes the features: hf (this process's forward, the reference) or vllm (vLLM's "
+                        "extract_hidden_states in .venv-vllm: bash scripts/setup_vllm.sh)")
+    p.add_argument("--tensor-parallel-size", "--tensor_parallel_size", dest="tensor_parallel_size", type=int,
+                   default=1, help="vllm backend: devices per vLLM process")
     return p
 
 
@@ -290,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["dump"]:  # the old `python -m draftheads.data.hidden_states dump ...` spelling, with the module swapped
         argv = argv[1:]
     args, rest = parser().parse_known_args(argv)
+    from draftheads.eval.interop.vllm_data import VllmError
+    from draftheads.eval.interop.vllm_peer import VllmUnavailable
     from draftheads.train.cli import user_errors
 
     try:
@@ -298,11 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         if not out:
             raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")
         claim_output(out, "cache", "--out" if args.out else "feature_cache")
-        dump(cfg, out, args.method, args.dtype, args.rows_per_shard, args.batch_size)
+        dump(cfg, out, args.method, args.dtype, args.rows_per_shard, args.batch_size, backend=args.backend,
+             tensor_parallel_size=args.tensor_parallel_size)
         # as train/cli.py main_guard does after a run: the accelerator's process-group threads are freed while the
         # interpreter is whole, not during its exit (where a 2-process gloo run sometimes aborted after finishing)
         gc.collect()
-    except (CacheError, ConfigError, OutputInTheWay) as err:
+    except (CacheError, ConfigError, OutputInTheWay, VllmUnavailable, VllmError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except user_errors() as err:  # a verifier or data file that cannot be used

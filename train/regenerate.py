@@ -3,6 +3,8 @@
     draftheads regenerate --verifier tiny-code --source stdlib --out regen.jsonl --num-rows 200
     draftheads regenerate --verifier ./Meta-Llama-3-8B-Instruct --source sharegpt.json --out regen.jsonl \\
         --max-new-tokens 512 --batch-size 32 --temperature 0.7
+    draftheads regenerate --backend vllm --tensor-parallel-size 4 --verifier ./Llama-3.3-70B-Instruct \\
+        --source sharegpt.json --out regen.jsonl --max-new-tokens 1024 --batch-size 1024
 
 A drafter learns to predict the verifier, so it learns best from the verifier's own outputs rather than from text
 someone else wrote (the self-distillation of Medusa-2 and EAGLE). Chat rows: the verifier answers each user turn
@@ -10,6 +12,12 @@ given the conversation so far (system and user messages from the data, its own e
 batched across conversations with left padding. Text rows: the first --prefix-tokens tokens of each document,
 continued by the verifier. The output is JSONL in OpenAI `messages` shape (or `text`), so it reads back as a source:
 `--data.source=regen.jsonl`.
+
+Two backends write the same rows: `hf` (Hugging Face `generate` in this process, static batches with left padding;
+the default and the reference) and `vllm` (vLLM's offline LLM in its own environment, eval/interop/vllm_data.py:
+each batch of --batch-size rows is handed to vLLM at once and batched continuously, with --tensor-parallel-size
+devices). Both stop an answer at the same stop tokens and decode it with the same tokenizer here; at temperature 0
+they differ only where the two computations round a near-tie differently.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import argparse
 import json
 import sys
 from collections import Counter
+from contextlib import ExitStack
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -30,6 +39,7 @@ from draftheads.data.progress import EtaBar, quiet
 from draftheads.data.sources import load_source
 from draftheads.models.atomic import atomic_path
 from draftheads.models.verifier import VerifierError, resolve_verifier
+from draftheads.train.vllm_backend import VllmGenerator
 
 
 def _context_limit(model) -> int | None:
@@ -39,9 +49,12 @@ def _context_limit(model) -> int | None:
 @torch.inference_mode()
 def generate_batch(model, prompts: list[list[int]], stop_ids: list[int], pad_id: int, max_new_tokens: int,
                    temperature: float) -> list[list[int]]:
-    """New tokens for each prompt (left-padded into one batch), cut before the first stop token."""
+    """New tokens for each prompt (left-padded into one batch), cut before the first stop token. A VllmGenerator
+    `model` hands the prompts to vLLM instead (no padding: it batches them continuously)."""
     from transformers import GenerationConfig
 
+    if isinstance(model, VllmGenerator):
+        return cut_at_stop(model.generate_ids(prompts, stop_ids, max_new_tokens, temperature), stop_ids)
     longest = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)  # (B, T)
     attention_mask = torch.zeros_like(input_ids)
@@ -55,9 +68,13 @@ def generate_batch(model, prompts: list[list[int]], stop_ids: list[int], pad_id:
     device = next(model.parameters()).device
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                          generation_config=config)
-    new = out[:, longest:].tolist()  # (B, new tokens); one host transfer per batch
+    return cut_at_stop(out[:, longest:].tolist(), stop_ids)  # (B, new tokens); one host transfer per batch
+
+
+def cut_at_stop(rows: list[list[int]], stop_ids: list[int]) -> list[list[int]]:
+    """Each row up to (without) its first stop token."""
     stops = set(stop_ids)
-    return [next((row[:i] for i, t in enumerate(row) if t in stops), row) for row in new]
+    return [next((row[:i] for i, t in enumerate(row) if t in stops), row) for row in rows]
 
 
 def _chat_batch(model, tokenizer, conversations: list[list[dict]], template: str, stop_ids: list[int],
@@ -108,7 +125,8 @@ def regenerate(model, tokenizer, rows: datasets.Dataset | Iterable[dict], *, max
                batch_size: int = 8, temperature: float = 0.0, prefix_tokens: int = 128,
                chat_template: str | None = None, seed: int = 0, progress: bool = True,
                stats: Counter | None = None) -> Iterator[dict]:
-    """Yield {"messages": [...]} (chat rows) or {"text": ...} (text rows) written by the model.
+    """Yield {"messages": [...]} (chat rows) or {"text": ...} (text rows) written by the model: a Hugging Face
+    causal LM, or a `train.vllm_backend.VllmGenerator` (vLLM generates).
 
     Conversations without a user turn, or whose first answer does not fit the model's context, are skipped and
     counted in `stats` (a Counter, if given).
@@ -160,20 +178,49 @@ def write_jsonl(path: str | Path, rows: Iterable[dict]) -> int:
     return n
 
 
-def load_for_generation(folder: str | Path, dtype: str = "auto", device: str | None = None):
-    """(model, tokenizer) from a local HF model folder; safetensors weights only, no remote code."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def check_model_folder(folder: str | Path) -> Path:
+    """A local HF model folder with a config and safetensors weights (pickle checkpoints are not loaded)."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise DataError(f"--verifier {str(folder)!r}: no config.json; expected a Hugging Face model folder")
     if not list(folder.glob("*.safetensors")):
         raise DataError(f"--verifier {str(folder)!r}: no .safetensors weights (pickle checkpoints are not loaded)")
+    return folder
+
+
+def check_writable(path: str | Path) -> None:
+    """Raise OSError (or DataError for a folder) unless a file can be written at `path`: its folder is made, and
+    a probe file created and removed in it."""
+    import tempfile
+
+    path = Path(path)
+    if path.is_dir():
+        raise DataError(f"--out {str(path)!r} is a folder; expected a .jsonl file path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.name}.", suffix=".probe"):
+        pass
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def auto_dtype(dtype: str, device: str) -> str:
+    """--dtype auto: bf16 on a GPU, fp32 on the CPU."""
+    return ("bfloat16" if device.startswith("cuda") else "float32") if dtype == "auto" else dtype
+
+
+def load_for_generation(folder: str | Path, dtype: str = "auto", device: str | None = None):
+    """(model, tokenizer) from a local HF model folder; safetensors weights only, no remote code."""
+    from transformers import AutoModelForCausalLM
+
+    folder = check_model_folder(folder)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), use_safetensors=True)
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, auto_dtype(dtype, device)),
+                                                 use_safetensors=True)
+    return model.to(device).eval(), load_tokenizer(folder)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -183,14 +230,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .jsonl")
     p.add_argument("--format", default="auto", choices=["auto", "text", "sharegpt", "openai"])
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer / continuation")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="rows per batch (default 8 with hf; 256 with vllm, which batches them continuously)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--num-rows", type=int, default=None, help="regenerate only the first K source rows")
     p.add_argument("--prefix-tokens", type=int, default=128, help="text rows: tokens kept as the prompt")
     p.add_argument("--chat-template", default=None, help="chatml, llama3, a .jinja file or template text")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--device", default=None, help="hf backend: cpu, cuda, cuda:1 (default: cuda if available)")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf",
+                   help="what generates: hf (Hugging Face generate in this process, the reference) or vllm (vLLM's "
+                        "offline LLM in .venv-vllm: bash scripts/setup_vllm.sh)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm backend: devices vLLM shards over")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="vllm backend: the context vLLM reserves KV cache for (default: the model's)")
     p.add_argument("--strict", action="store_true", help="malformed source rows are errors")
     return p
 
@@ -198,8 +252,14 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
-    for key in ("max_new_tokens", "batch_size", "prefix_tokens"):
-        if getattr(args, key) < 1:
+    if args.batch_size is None:
+        args.batch_size = 256 if args.backend == "vllm" else 8
+    if args.backend == "vllm" and args.device is not None:
+        p.error("--device is the hf backend's; vLLM places the verifier itself (--tensor-parallel-size)")
+    if args.backend == "hf" and (args.tensor_parallel_size != 1 or args.max_model_len is not None):
+        p.error("--tensor-parallel-size and --max-model-len are the vllm backend's (--backend vllm)")
+    for key in ("max_new_tokens", "batch_size", "prefix_tokens", "tensor_parallel_size", "max_model_len"):
+        if getattr(args, key) is not None and getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be positive")
     folder = Path(args.verifier).expanduser()
     if not folder.is_dir():
@@ -208,18 +268,33 @@ def main(argv: list[str] | None = None) -> None:
             folder = resolve_verifier(args.verifier)
         except VerifierError as e:
             sys.exit(f"error: --verifier: {e}")
+    from draftheads.eval.interop.vllm_data import VllmError
+    from draftheads.eval.interop.vllm_peer import VllmUnavailable
+
     try:
-        model, tokenizer = load_for_generation(folder, args.dtype, args.device)
+        check_writable(args.out)  # before a model is loaded or vLLM started
         rows = load_source(args.source, args.format, args.strict)
         if args.num_rows is not None:
             rows = rows.select(range(min(args.num_rows, len(rows))))
-        stats: Counter = Counter()
-        written = write_jsonl(args.out, regenerate(
-            model, tokenizer, rows, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-            temperature=args.temperature, prefix_tokens=args.prefix_tokens, chat_template=args.chat_template,
-            seed=args.seed, stats=stats))
-    except DataError as e:
+        with ExitStack() as stack:
+            if args.backend == "vllm":
+                check_model_folder(folder)
+                tokenizer = load_tokenizer(folder)
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                model = stack.enter_context(VllmGenerator.start(folder, auto_dtype(args.dtype, device),
+                                                                args.tensor_parallel_size, args.seed,
+                                                                args.max_model_len))
+            else:
+                model, tokenizer = load_for_generation(folder, args.dtype, args.device)
+            stats: Counter = Counter()
+            written = write_jsonl(args.out, regenerate(
+                model, tokenizer, rows, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                temperature=args.temperature, prefix_tokens=args.prefix_tokens, chat_template=args.chat_template,
+                seed=args.seed, stats=stats))
+    except (DataError, VllmError, VllmUnavailable) as e:
         sys.exit(f"error: {e}")
+    except OSError as e:  # a full disk, a folder that cannot be written
+        sys.exit(f"error: --out {args.out}: cannot write ({e.strerror or e}{f': {e.filename}' if e.filename else ''})")
     notes = "; ".join(f"{n} {what}" for what, n in stats.items())
     print(f"wrote {written} rows to {args.out}" + (f" ({notes})" if notes else ""))
 

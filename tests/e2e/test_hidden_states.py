@@ -200,6 +200,13 @@ def test_restart_with_other_settings_is_refused(verifier_dir, text_rows, tmp_pat
     dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet)
     with pytest.raises(CacheError, match=r"plan\.json.*dtype='bfloat16'.*dtype='float16'"):
         dump(cfg, tmp_path / "cache", dtype="float16", rows_per_shard=4, say=quiet)
+    # a cache started before backends were recorded was the HF forward's: it continues with hf, not with vllm
+    plan = json.loads((tmp_path / "cache" / "plan.json").read_text())
+    del plan["backend"]
+    (tmp_path / "cache" / "plan.json").write_text(json.dumps(plan))
+    assert dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet).skipped
+    with pytest.raises(CacheError, match=r"plan\.json.*backend='hf'.*backend='vllm'"):
+        dump(cfg, tmp_path / "cache", rows_per_shard=4, say=quiet, backend="vllm")
 
 
 def test_corrupted_shards_are_named(verifier_dir, text_rows, tmp_path):

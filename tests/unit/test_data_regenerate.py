@@ -86,3 +86,25 @@ def test_rows_without_user_turn_are_counted_and_bad_verifier_is_an_error(tmp_pat
     with pytest.raises(SystemExit, match="no such file or folder"):
         main(["--verifier", str(verifier_dir), "--source", str(tmp_path / "nope.jsonl"), "--out",
               str(tmp_path / "o.jsonl")])
+
+
+def test_backend_flags_and_a_missing_vllm_are_one_line(tmp_path, verifier_dir, capsys, monkeypatch):
+    import draftheads.eval.interop.vllm_peer as peer
+
+    source, _ = chats(tmp_path)
+    base = ["--verifier", str(verifier_dir), "--source", str(source), "--out", str(tmp_path / "out.jsonl")]
+    for extra, says in ((["--backend", "vllm", "--device", "cpu"], "--device is the hf backend's"),
+                        (["--tensor-parallel-size", "2"], "are the vllm backend's")):
+        with pytest.raises(SystemExit) as exit:
+            main([*base, *extra])
+        assert exit.value.code == 2 and says in capsys.readouterr().err
+    monkeypatch.delenv("DRAFTHEADS_VLLM_PYTHON", raising=False)
+    monkeypatch.setattr(peer, "ROOT", tmp_path / "no-checkout")  # no .venv-vllm, and this venv has no vllm
+    with pytest.raises(SystemExit, match=r"^error: vLLM is not installed: run `bash scripts/setup_vllm.sh`"):
+        main([*base, "--backend", "vllm"])
+    assert not (tmp_path / "out.jsonl").exists()
+    # an output that cannot be written: said before anything is loaded
+    with pytest.raises(SystemExit, match=r"^error: --out .*/nope/out.jsonl: cannot write \(Not a directory"):
+        main([*base[:4], "--out", str(source / "nope" / "out.jsonl"), "--backend", "vllm"])
+    with pytest.raises(SystemExit, match=r"^error: --out .* is a folder; expected a .jsonl file path"):
+        main([*base[:4], "--out", str(tmp_path), "--backend", "vllm"])
