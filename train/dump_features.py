@@ -154,8 +154,8 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
         if changed:
             raise CacheError(f"{plan_path}: this cache was started from other inputs ({'; '.join(changed)}); use a "
                              f"new --out folder or delete {folder}")
-    # vLLM holds the verifier on the device; this process needs it only for its shape and final norm (vllm_backend)
-    verifier, tokenizer = load_verifier(cfg, "cpu" if backend == "vllm" else state.device)
+    # vLLM holds the verifier on the device; this process reads only its head (shape, fingerprint, final norm)
+    verifier, tokenizer = load_verifier(cfg, "cpu" if backend == "vllm" else state.device, head_only=backend == "vllm")
     if cfg.data.pack and cfg.data.document_mask and backend == "hf":
         verifier.check_document_mask()  # one short forward: refuse a model that would attend across documents
     layer_ids = layers_for(method, cfg, verifier)

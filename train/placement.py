@@ -19,7 +19,7 @@ from draftheads.models.dtypes import to_dtype
 from draftheads.train.config import ConfigError, RunConfig
 
 
-def load_verifier(cfg: RunConfig, device, accelerator=None):
+def load_verifier(cfg: RunConfig, device, accelerator=None, head_only: bool = False):
     """The frozen verifier and its tokenizer, checked against each other.
 
     With `accelerator` (a training run, whose folder `build_accelerator` claimed) the run's inputs are recorded and
@@ -32,7 +32,8 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
     the verifier head-only (`Verifier.load_head`: the embedding, lm_head and final norm, plus the layers a drafter
     starts its own from, DFlash's `dflash.init_layers`), and `whole_verifier` loads the rest only for what runs it
     (the train/serve check at the end). Its head was checked when the cache was dumped (`draftheads dump-features`
-    loads the verifier here without an accelerator, whole).
+    loads the verifier here without an accelerator, whole, unless vLLM computes the features: `head_only`, the
+    same head a run on cached features holds, with the final norm the vLLM backend applies to the last layer).
     """
     from transformers import AutoTokenizer
 
@@ -43,7 +44,7 @@ def load_verifier(cfg: RunConfig, device, accelerator=None):
 
         claim_run_inputs(accelerator, cfg)
 
-    if accelerator is not None and cfg.features == "offline":
+    if head_only or (accelerator is not None and cfg.features == "offline"):
         layers = getattr(getattr(cfg, "dflash", None), "init_layers", None) or ()  # copied into the drafter
         verifier = Verifier.load_head(cfg.verifier, dtype=cfg.verifier_dtype, device=device,
                                       trust_remote_code=cfg.trust_remote_code, layers=sorted(set(layers)))
