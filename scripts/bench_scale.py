@@ -566,19 +566,22 @@ def run_child(cmd: list[str], report: Path, log: Path, memory_gib: float, watch_
     killed, top = None, 0.0
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, **(env or {})},
-                                start_new_session=True)
-        while proc.poll() is None:
-            time.sleep(0.2)
-            rss = rss_of(proc.pid) if watch_rss else 0.0
-            top = max(top, rss)
-            if watch_rss and rss > memory_gib:
-                killed = f"did not fit: killed at {rss:.1f} GiB RSS (--memory-gib {memory_gib:g})"
-            elif time.perf_counter() - started > timeout:
-                killed = f"timed out after {timeout:.0f} s"
-            if killed:
+                                start_new_session=True)  # its own process group: killed whole, with any helpers
+        try:
+            while proc.poll() is None:
+                time.sleep(0.2)
+                rss = rss_of(proc.pid) if watch_rss else 0.0
+                top = max(top, rss)
+                if watch_rss and rss > memory_gib:
+                    killed = f"did not fit: killed at {rss:.1f} GiB RSS (--memory-gib {memory_gib:g})"
+                elif time.perf_counter() - started > timeout:
+                    killed = f"timed out after {timeout:.0f} s"
+                if killed:
+                    break
+        finally:  # killed past the limit, or the bench itself stopped (Ctrl-C, SIGTERM): the child goes too
+            if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                break
     code = proc.returncode
     seconds = time.perf_counter() - started
     if killed:
@@ -914,10 +917,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["--child"]:
         return child(sys.argv[2])
     args = parse(argv)
+    if argv is None:  # a SIGTERM ends the bench as Ctrl-C does: the running child is killed, the rows so far kept
+        signal.signal(signal.SIGTERM, interrupted)
     if args.child:
         return child(args.child)
     run(args)
