@@ -6,7 +6,12 @@
 #   2. budget: EAGLE-3 (configs/eagle3-tiny.yaml) and DFlash (configs/dflash-tiny.yaml, block 5) side by side on
 #      the self-distilled rows of scripts/bench_dflash.sh, as many steps as the time left allows (the same steps and
 #      tokens for both, measured from the smoke runs' own tokens/s), each drafter copied back to $OUT to be decoded
-#      here by scripts/bench_decode.py (docs/benchmarks.md#gpu-h200).
+#      here by scripts/bench_decode.py (docs/benchmarks.md#gpu-h200);
+#   3. scale: scripts/bench_scale.py at 8B shapes on CUDA in bf16, offline features: EAGLE-3 (Llama-3.1-8B) and
+#      DFlash (Qwen3-8B, 5 layers, block 16, 512 anchors) up the seq ladder from 4096 until a row no longer fits
+#      GPU_SCALE_GIB (default 70) or GPU_SCALE_S seconds (default 200) are spent: peak allocated memory, tokens/s,
+#      the largest seq that fits; its table and JSON in the logs archive (scale/). GPU_SCALE=0 skips it; the dry
+#      run measures the tiny shapes on the CPU.
 #
 #   here, once:   PYTHON=.venv/bin/python bash scripts/gpu_train_check.sh --prepare   # .whl-train/, .cache-gpu/
 #   here, smoke:  PYTHON=/tmp/devsim/bin/python bash scripts/gpu_train_check.sh --dry-run   # CPU, a few steps
@@ -175,5 +180,36 @@ else
   budget_rc=1
 fi
 pack
-echo "[gpu_train] smoke_rc=$smoke_rc budget_rc=$budget_rc steps=$steps elapsed=$((SECONDS - start))s"
-[ "$smoke_rc" -eq 0 ] && [ "$budget_rc" -eq 0 ]
+
+# 3. The scale bench: 8B shapes (random-weight stand-ins), bf16, offline features, the seq ladder while it fits; each
+# row is saved as it is measured, so a stage cut short by its time limit still returns the rows it finished.
+scale_rc=0
+if [ "${GPU_SCALE:-1}" != 0 ]; then
+  if [ "$MODE" = "--dry-run" ]; then
+    scale=(--tiny --device cpu --threads 1 --seqs 64 128)
+  else
+    scale=(--device cuda --seqs 4096 8192 16384 32768 65536 --memory-gib "${GPU_SCALE_GIB:-70}" --timeout 120)
+  fi
+  for pair in "eagle3 llama3-8b" "dflash qwen3-8b"; do
+    read -r name model <<< "$pair"
+    timeout "$(( ${GPU_SCALE_S:-200} / 2 ))" "$PY" scripts/bench_scale.py --trainers "$name" --models "$model" \
+      --features offline --steps 2 --warmup 1 --out "$LOG/scale" --work /tmp/scale-work --reuse "${scale[@]}" \
+      > "$LOG/scale-$name.log" 2>&1
+    rc=$?
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; then tail -n 15 "$LOG/scale-$name.log"; scale_rc=1; fi
+  done
+  cat "$LOG"/scale/scale-*.md 2>/dev/null
+  "$PY" - "$LOG"/scale/scale-*.json <<'EOF'
+import json, sys
+for path in sys.argv[1:]:
+    rows = json.load(open(path))["rows"]
+    for trainer in sorted({r["trainer"] for r in rows}):
+        fit = [r for r in rows if r["trainer"] == trainer and r["status"] == "ok"]
+        best = max(fit, key=lambda r: r["seq"], default=None)
+        print(f"[gpu_train] scale {trainer}: largest seq that fits {best['seq'] if best else None}"
+              + (f", {best['tokens_per_s']:.0f} tokens/s, peak {best['peak_gib']:.1f} GiB" if best else ""))
+EOF
+  pack
+fi
+echo "[gpu_train] smoke_rc=$smoke_rc budget_rc=$budget_rc scale_rc=$scale_rc steps=$steps elapsed=$((SECONDS - start))s"
+[ "$smoke_rc" -eq 0 ] && [ "$budget_rc" -eq 0 ] && [ "$scale_rc" -eq 0 ]
