@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from draftheads.data.config import DataError
+from draftheads.data.config import BUILTIN_TEMPLATE_NAMES, DataError, chat_template_problem, template_file
 from draftheads.data.sources import RowError
 
 CHATML_TEMPLATE = (
@@ -41,7 +40,7 @@ LLAMA3_TEMPLATE = (
 )
 _SPACE = re.compile(r"\s*")
 #: Names accepted by `data.chat_template` besides a .jinja file or the template text.
-BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "llama3": LLAMA3_TEMPLATE}
+BUILTIN_TEMPLATES = dict(zip(BUILTIN_TEMPLATE_NAMES, (CHATML_TEMPLATE, LLAMA3_TEMPLATE), strict=True))
 
 
 @dataclass(frozen=True)
@@ -60,16 +59,14 @@ def resolve_chat_template(tokenizer, option: str | None = None, *, where: str = 
 
     Raises DataError naming `option_name` when neither exists.
     """
-    if option:
+    if option is not None:
+        problem = chat_template_problem(option, option_name)
+        if problem:
+            raise DataError(problem)
         if option in BUILTIN_TEMPLATES:
             return BUILTIN_TEMPLATES[option]
-        if "{{" in option or "{%" in option:
-            return option
-        path = Path(option).expanduser()
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-        raise DataError(f"{option_name}={option!r}: not a builtin template ({', '.join(BUILTIN_TEMPLATES)}), "
-                        "an existing .jinja file, or template text")
+        path = template_file(option)
+        return option if path is None else path.read_text(encoding="utf-8")
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # tokenizers that carry several named templates
         template = template.get("default") or next(iter(template.values()), None)

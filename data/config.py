@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
+
+TEXT_SUFFIXES = {".txt", ".py", ".md"}
+JSON_SUFFIXES = {".json", ".jsonl"}
+STDLIB_SPLITS = ("drafter", "eval", "verifier")
+#: `data.chat_template` names of the templates data/chat.py carries (besides a .jinja file or the template text).
+BUILTIN_TEMPLATE_NAMES = ("chatml", "llama3")
 
 
 class DataError(ValueError):
@@ -64,3 +71,55 @@ class DataConfig:
             raise ValueError(f"data.packing={self.packing!r}: expected 'best_fit' or 'stream'")
         if self.eval_rows < 0:
             raise ValueError(f"data.eval_rows={self.eval_rows}: expected >= 0")
+        problem = source_problem(str(self.source), files=False) or (
+            None if self.chat_template is None else chat_template_problem(self.chat_template, files=False))
+        if problem:
+            raise ValueError(problem)
+        if is_stdlib(self.source) and self.format not in ("auto", "text"):
+            raise ValueError(f"data.format={self.format}: data.source={self.source!r} is text; expected auto or text")
+
+
+def is_stdlib(source: str) -> bool:
+    return source == "stdlib" or source.startswith("stdlib:")
+
+
+def source_problem(source: str, files: bool = True) -> str | None:
+    """What is wrong with a `data.source` value, in one line naming it, or None. `files`: also whether a local path
+    is there as a data file or a folder (what a folder holds is checked when it is read)."""
+    expected = "expected stdlib, a .json/.jsonl/.txt/.py/.md file, a folder of them, or hf:<dataset name>[:<split>]"
+    if not source.strip():
+        return f"data.source={source!r}: {expected}"
+    if is_stdlib(source):
+        split = source.partition(":")[2] or "drafter"
+        if split not in STDLIB_SPLITS:
+            return f"data.source={source!r}: unknown stdlib split {split!r}; expected one of {STDLIB_SPLITS}"
+        return None
+    if source.startswith("hf:"):
+        return None if source[3:].partition(":")[0] else f"data.source={source!r}: expected hf:<dataset name>[:<split>]"
+    if not files:
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        return f"data.source={source!r}: no such file or folder ({expected})"
+    if path.is_file() and path.suffix not in TEXT_SUFFIXES | JSON_SUFFIXES:
+        return f"data.source={source!r}: unsupported file type {path.suffix!r}; expected .json, .jsonl, .txt, .py or .md"
+    return None
+
+
+def template_file(option: str) -> Path | None:
+    """The file a chat-template option names: None for a builtin name or template text (Jinja markup)."""
+    if option in BUILTIN_TEMPLATE_NAMES or "{{" in option or "{%" in option:
+        return None
+    return Path(option).expanduser()
+
+
+def chat_template_problem(option: str, option_name: str = "data.chat_template", files: bool = True) -> str | None:
+    """What is wrong with a chat-template option (a builtin name, a .jinja file or template text), in one line naming
+    `option_name`, or None. `files`: also whether a file it names is there."""
+    expected = f"a builtin template ({', '.join(BUILTIN_TEMPLATE_NAMES)}), an existing .jinja file, or template text"
+    if not option.strip():
+        return f"{option_name}={option!r}: expected {expected} (null: the tokenizer's own)"
+    path = template_file(option)
+    if files and path is not None and not path.is_file():
+        return f"{option_name}={option!r}: not {expected}"
+    return None

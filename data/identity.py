@@ -152,7 +152,7 @@ def data_inputs(cfg, known: dict | None = None) -> dict:
     """What a run's data (a `DataConfig`) is made of, by content: {"data": the source's files, and "chat_template":
     the template file when data.chat_template names one}, each {"source", "files", "digest"}. `known`: an earlier
     result, trusted for files whose size and mtime are unchanged. DataError for a source that does not exist."""
-    from draftheads.data.chat import BUILTIN_TEMPLATES
+    from draftheads.data.config import template_file
     from draftheads.data.sources import source_files
 
     known = known or {}
@@ -160,12 +160,10 @@ def data_inputs(cfg, known: dict | None = None) -> dict:
     files = {} if found is None else files_record(found[0], found[1], (known.get("data") or {}).get("files"))
     # A hub dataset is named by its dataset and split (the hub pins its files); local ones by their bytes.
     out = {"data": {"source": cfg.source, "files": files, "digest": digest(files) if found else f"hub:{cfg.source}"}}
-    template = cfg.chat_template
-    text = template and (template in BUILTIN_TEMPLATES or "{{" in template or "{%" in template)
-    if template and not text and Path(template).expanduser().is_file():
-        path = Path(template).expanduser()
+    path = template_file(cfg.chat_template) if cfg.chat_template else None
+    if path is not None and path.is_file():
         record = files_record(path.parent, [path.name], (known.get("chat_template") or {}).get("files"))
-        out["chat_template"] = {"source": template, "files": record, "digest": digest(record)}
+        out["chat_template"] = {"source": cfg.chat_template, "files": record, "digest": digest(record)}
     return out
 
 

@@ -34,7 +34,15 @@ from typing import Any
 
 import datasets
 
-from draftheads.data.config import DataConfig, DataError, DataWarning
+from draftheads.data.config import (
+    JSON_SUFFIXES,
+    TEXT_SUFFIXES,
+    DataConfig,
+    DataError,
+    DataWarning,
+    is_stdlib,
+    source_problem,
+)
 from draftheads.data.progress import datasets_progress
 from draftheads.data.stdlib import read_source, stdlib_files, stdlib_root
 
@@ -49,9 +57,6 @@ ROLES = {
 CONTAINERS = {"openai": "messages", "sharegpt": "conversations"}
 #: Fields holding a text row (`content` is what code corpora such as the-stack call it).
 TEXT_FIELDS = ("text", "content")
-TEXT_SUFFIXES = {".txt", ".py", ".md"}
-JSON_SUFFIXES = {".json", ".jsonl"}
-STDLIB_SPLITS = ("drafter", "eval", "verifier")
 
 MESSAGE_FEATURES = [{"role": datasets.Value("string"), "content": datasets.Value("string")}]
 
@@ -341,8 +346,6 @@ def _hub_rows(source: str, fmt: str, skips: SkipCounter, num_proc: int) -> tuple
 def _stdlib_rows(source: str, fmt: str) -> datasets.Dataset:
     _, _, split = source.partition(":")
     split = split or "drafter"
-    if split not in STDLIB_SPLITS:
-        raise DataError(f"data.source={source!r}: unknown stdlib split {split!r}; expected one of {STDLIB_SPLITS}")
     if fmt not in ("auto", "text"):
         raise DataError(f"data.source={source!r} is text; data.format={fmt!r} does not apply (use auto or text)")
     root = stdlib_root()
@@ -361,7 +364,10 @@ def load_source(source: str, format: str = "auto", strict: bool = False, num_pro
     """
     if format not in ("auto", "text", *CONTAINERS):
         raise DataError(f"data.format={format!r}: expected auto, text, sharegpt or openai")
-    if source == "stdlib" or source.startswith("stdlib:"):
+    problem = source_problem(source)
+    if problem:
+        raise DataError(problem)
+    if is_stdlib(source):
         return _stdlib_rows(source, format)
     skips = SkipCounter(source, strict)
     if source.startswith("hf:"):
@@ -369,12 +375,6 @@ def load_source(source: str, format: str = "auto", strict: bool = False, num_pro
             ds, seen = _hub_rows(source, format, skips, num_proc)
     else:
         path = Path(source).expanduser()
-        if not path.exists():
-            raise DataError(f"data.source={source!r}: no such file or folder (expected stdlib, a .json/.jsonl/"
-                            ".txt/.py/.md file, a folder of them, or hf:<dataset name>[:<split>])")
-        if path.is_file() and path.suffix not in TEXT_SUFFIXES | JSON_SUFFIXES:
-            raise DataError(f"data.source={source!r}: unsupported file type {path.suffix!r}; expected "
-                            ".json, .jsonl, .txt, .py or .md")
         rows, seen = _local_rows(path, format, skips)
         ds = _to_dataset(rows, source) if rows else None
     if ds is None or len(ds) == 0:
@@ -388,7 +388,10 @@ def source_files(source: str) -> tuple[Path, list[str]] | None:
     """The files a source reads, as (root, names relative to it): a file, every data file of a folder (as
     `load_source` takes them), or the stdlib files of the split(s) it trains and holds out on. None for `hf:`
     sources, which the hub names by dataset and split. Raises DataError for a path that does not exist."""
-    if source == "stdlib" or source.startswith("stdlib:"):
+    problem = source_problem(source)
+    if problem:
+        raise DataError(problem)
+    if is_stdlib(source):
         _, _, split = source.partition(":")
         root = stdlib_root()
         files = stdlib_files("drafter") + stdlib_files("eval") if not split else stdlib_files(split)
@@ -396,9 +399,6 @@ def source_files(source: str) -> tuple[Path, list[str]] | None:
     if source.startswith("hf:"):
         return None
     path = Path(source).expanduser()
-    if not path.exists():
-        raise DataError(f"data.source={source!r}: no such file or folder (expected stdlib, a .json/.jsonl/"
-                        ".txt/.py/.md file, a folder of them, or hf:<dataset name>[:<split>])")
     if path.is_file():
         return path.parent, [path.name]
     return path, [p.relative_to(path).as_posix() for p in _files_of(path)]

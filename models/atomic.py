@@ -28,9 +28,15 @@ from pathlib import Path
 from typing import Iterator
 
 
-def folder_problem(folder: str | os.PathLike, subject: str) -> str | None:
+def folder_problem(folder: str | os.PathLike, subject: str, create: bool = True) -> str | None:
     """Create `folder` (with its parents) unless it exists; None when this user can write in it, else one line
-    naming `subject` (the flag or key that gave the folder) and what is wrong."""
+    naming `subject` (the flag or key that gave the folder) and what is wrong. `create=False` writes nothing: it
+    only looks for a file in the way of the folder or of a parent it would create."""
+    if not create:
+        path = Path(os.path.abspath(Path(folder).expanduser()))
+        while not os.path.lexists(path) and path.parent != path:
+            path = path.parent
+        return None if path.is_dir() else f"{subject}: a file is in the way; expected a folder (or a path to create)"
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):

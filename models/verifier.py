@@ -62,15 +62,11 @@ def resolve_verifier(name_or_path: str | os.PathLike) -> Path:
         from draftheads.models import tiny  # built lazily: most callers never need it
 
         return Path(tiny.ensure_built(EMBEDDED_VERIFIERS[name]))
+    problem = verifier_problem(name)
+    if problem:
+        raise VerifierError(problem)
     path = Path(name).expanduser()
-    if path.is_dir():
-        folder = path
-    elif path.exists():
-        raise VerifierError(f"verifier {name!r} is a file; expected a model folder with config.json")
-    elif name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise VerifierError(f"verifier folder {name!r} does not exist")
-    else:
-        folder = _download(name)
+    folder = path if path.is_dir() else _download(name)
     if not (folder / "config.json").is_file():
         raise VerifierError(f"verifier folder {str(folder)!r} has no config.json; expected a Hugging Face model folder")
     if not _safetensors_files(folder):
@@ -82,6 +78,32 @@ def resolve_verifier(name_or_path: str | os.PathLike) -> Path:
             "in a trusted environment."
         )
     return folder
+
+
+def verifier_problem(name: str) -> str | None:
+    """What is wrong with a verifier name before anything is read or fetched (one line naming `verifier`), or None:
+    it must be an embedded name, an existing folder, or a well-formed hub id (`org/name`); a path that does not
+    exist, a file, or a name the hub cannot hold is refused. Whether a folder holds a model is checked on loading."""
+    if name in EMBEDDED_VERIFIERS:
+        return None
+    if not name.strip():  # before the folder test: Path("") is the working folder
+        return (f"verifier {name!r}: expected a model folder, a hub id (`org/name`) or an embedded name "
+                f"({', '.join(EMBEDDED_VERIFIERS)})")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"verifier {name!r} is a file; expected a model folder with config.json"
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return f"verifier folder {name!r} does not exist"
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return (f"verifier {name!r}: not a folder here, nor a Hugging Face hub id (`org/name`: letters, digits, "
+                f"'-', '_' and '.'), nor an embedded name ({', '.join(EMBEDDED_VERIFIERS)})")
+    return None
 
 
 def _download(repo_id: str) -> Path:

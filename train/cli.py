@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.loop import NonFiniteLossError
+from draftheads.train.paths import check_paths
 
 C = TypeVar("C")
 
@@ -25,6 +26,7 @@ def main_guard(fn, cls: type[C], argv: list[str] | None = None, prog: str | None
     (OSError: disk full, permissions) prints one line and exits 1."""
     try:
         cfg = parse_config(cls, argv, prog=prog or Path(sys.argv[0]).name)
+        check_paths(cfg)  # what the config names is there: refused before anything is written or loaded
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

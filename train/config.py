@@ -24,6 +24,8 @@ from draftheads.models.atomic import write_text
 
 
 FLOAT32_MAX = 3.4028234663852886e38
+#: Characters wandb refuses in a project name.
+WANDB_PROJECT_FORBIDS = "/\\#?%:"
 
 
 class ConfigError(ValueError):
@@ -64,7 +66,7 @@ class TrainConfig:
     resume: str = "auto"
     """`auto` (continue from the newest complete checkpoint in output_dir, if any), `none`, or a checkpoint path."""
     seed: int = 0
-    """Seed for weights, data order and noise."""
+    """Seed for weights, data order and noise, in [0, 2**32)."""
     log_every: int = 10
     """Log train metrics every this many steps (metrics stay on device in between)."""
     eval_every: int = 0
@@ -95,6 +97,10 @@ class TrainConfig:
             raise ConfigError(f"train.weight_decay={self.weight_decay}: expected a finite value >= 0")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio}: expected a value in [0, 1]")
+        if not 0 <= self.seed < 2 ** 32:  # numpy's seed range (accelerate's set_seed seeds numpy too)
+            raise ConfigError(f"train.seed={self.seed}: expected an integer in [0, 2**32)")
+        if not self.resume.strip():
+            raise ConfigError(f"train.resume={self.resume!r}: expected auto, none or a checkpoint folder")
         if self.warmup_steps >= self.max_steps:
             raise ConfigError(f"train.warmup_steps={self.warmup_steps} >= train.max_steps={self.max_steps}: the run "
                               "would end before its warm-up does; lower train.warmup_steps (e.g. to a tenth of the run)")
@@ -107,13 +113,21 @@ class WandbConfig:
     enabled: bool = True
     """Log to wandb at all."""
     project: str | None = None
-    """Project name; default $WANDB_PROJECT, else `draftheads`."""
+    """Project name (1 to 128 characters, none of `/ \\ # ? % :`); default $WANDB_PROJECT, else `draftheads`."""
     entity: str | None = None
     """Team or user; default $WANDB_ENTITY or your default entity."""
     run_name: str | None = None
     """Run name; default the output folder's name."""
     mode: Literal["auto", "online", "offline"] = "auto"
     """`auto`: online when an API key is configured, else offline."""
+
+    def __post_init__(self):
+        # wandb's own rule, checked when it starts (after the verifier and the data have loaded)
+        bad = sorted(set(WANDB_PROJECT_FORBIDS) & set(self.project or ""))
+        if self.project is not None and (bad or not 0 < len(self.project.strip()) <= 128):
+            why = f"it holds {' '.join(bad)}" if bad else f"{len(self.project)} characters"
+            raise ConfigError(f"wandb.project={self.project!r}: {why}; expected 1 to 128 characters, none of "
+                              f"{' '.join(WANDB_PROJECT_FORBIDS)} (null: $WANDB_PROJECT, else draftheads)")
 
 
 @dataclass
@@ -174,6 +188,10 @@ class RunConfig:
 
     def __post_init__(self):
         check_finite(self)
+        for key in ("output_dir", "feature_cache"):
+            value = getattr(self, key)
+            if value is not None and not value.strip():  # Path("") is the working folder
+                raise ConfigError(f"{key}={value!r}: expected a folder path")
         if self.features == "offline" and not self.feature_cache:
             raise ConfigError("features=offline needs feature_cache: the folder written by `draftheads dump-features`")
 

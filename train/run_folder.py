@@ -47,6 +47,7 @@ from draftheads.data.identity import input_changes
 from draftheads.models.atomic import FolderInUse, folder_problem, lock_folder, write_json
 from draftheads.train.checkpoint import RUN_FILE, resolve_resume
 from draftheads.train.config import ConfigError, config_dict, save_config
+from draftheads.train.paths import check_paths
 
 #: Settings that do not change what is trained (prefix match on dotted keys). The verifier, the data source and the
 #: feature cache are compared by content (`run_inputs`), not by path.
@@ -227,10 +228,9 @@ def claim(cfg) -> str:
     """Main process: check, lock and record the run folder (its settings; the inputs follow in `claim_inputs`);
     returns what to tell the user (maybe '')."""
     folder = Path(cfg.output_dir)
+    check_paths(cfg)
     check_writable(folder)
     lock(folder)
-    if cfg.train.resume not in ("auto", "none"):
-        resolve_resume(cfg.train.resume, folder)  # a bad checkpoint path stops now, not after the data is tokenised
     mine = {"signature": signature(config_dict(cfg))}
     theirs = recorded(folder)
     note = ""

@@ -92,6 +92,9 @@ class EagleConfig:
             self.layer_ids = [int(i) for i in self.layer_ids]
             if len(self.layer_ids) != 3:
                 raise EagleError(f"eagle.layer_ids={self.layer_ids}: expected exactly three layer ids")
+            if min(self.layer_ids) < 0:
+                raise EagleError(f"eagle.layer_ids={self.layer_ids}: expected layer ids >= 0 (the inputs of those "
+                                 "verifier layers; 0 is the embedding's output)")
             if any(a >= b for a, b in zip(self.layer_ids, self.layer_ids[1:])):
                 raise EagleError(f"eagle.layer_ids={self.layer_ids}: expected distinct ids in increasing order; vLLM "
                                  f"and SGLang concatenate the features in layer order, so any other order would be "

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -74,7 +75,7 @@ class MedusaConfig:
     lora_r: int = 16
     """LoRA rank (joint only)."""
     lora_alpha: int = 32
-    """LoRA scaling numerator; the update is scaled by alpha / r (joint only)."""
+    """LoRA scaling numerator, > 0; the update is scaled by alpha / r (joint only)."""
     lora_dropout: float = 0.05
     """Dropout on the LoRA input (joint only)."""
     lora_target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
@@ -103,8 +104,17 @@ class MedusaConfig:
             raise ValueError(f"medusa.lora_r={self.lora_r}: expected a positive rank")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"medusa.lora_dropout={self.lora_dropout}: expected a value in [0, 1)")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"medusa.lora_alpha={self.lora_alpha}: expected a positive scaling numerator (the update "
+                             "is scaled by alpha / r)")
         if not self.lora_target_modules:
             raise ValueError("medusa.lora_target_modules is empty: name at least one linear layer, e.g. q_proj")
+        names = [str(m) for m in self.lora_target_modules]
+        bad = [m for m in names if not re.fullmatch(r"[A-Za-z_][\w.]*", m)]
+        if bad or len(set(names)) != len(names):
+            what = f"{bad} are not module names" if bad else "a name is repeated"
+            raise ValueError(f"medusa.lora_target_modules={names}: {what}; expected distinct names of the verifier's "
+                             "linear layers (e.g. q_proj, v_proj)")
         for key in ("head_lr_multiplier", "lm_loss_weight", "kl_loss_weight", "heads_loss_weight"):
             if getattr(self, key) < 0:
                 raise ValueError(f"medusa.{key}={getattr(self, key)}: expected >= 0")

@@ -92,13 +92,15 @@ def copy_verifier(src: Path, dst: Path) -> Path:
 
 # ---- verifier and tokenizer ----------------------------------------------------------------------------------
 def test_missing_verifier_folder_from_the_command_line_is_one_line(tmp_path):
-    """The trainer CLI turns the project's own errors into one line (exit 1), not a traceback."""
+    """The trainer CLI refuses a verifier path that is not there in one line (a config error: exit 2, before the run
+    folder is made), not a traceback."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "1", "WANDB_MODE": "offline"}
     result = subprocess.run([sys.executable, str(ROOT / "train/eagle.py"), f"--verifier={tmp_path / 'nope'}",
                              f"--output_dir={tmp_path / 'run'}", "--wandb.enabled=false"], env=env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
-    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]
     assert "does not exist" in result.stderr and str(tmp_path / "nope") in result.stderr
+    assert not (tmp_path / "run").exists()
     assert "Traceback" not in result.stderr
 
 
