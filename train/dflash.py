@@ -116,7 +116,7 @@ def main(cfg: DFlashRunConfig) -> dict:
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     say(f"[dflash] {n_params / 1e6:.2f}M trainable parameters, {dc.num_hidden_layers} layers, block {dc.block_size}, "
         f"target layers {dc.target_layer_ids}, mask token {dc.mask_token_id}, loss "
-        f"{f'dpace alpha {dc.dpace_alpha:g}' if dc.loss == 'dpace' else f'{dc.loss} gamma {dc.loss_gamma:g}'} "
+        f"{f'dpace alpha {dc.loss_alpha:g}' if dc.loss == 'dpace' else f'{dc.loss} gamma {dc.loss_gamma:g}'} "
         f"({cfg.features} features)")
 
     model = DFlashTrainModule(drafter)

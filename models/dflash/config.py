@@ -81,10 +81,10 @@ class DFlashConfig:
     `targets` token, position k weighted by the sum over positions m >= k of the drafter's smoothed probability of
     drafting positions 1..m right (its own confidence, `dpace_alpha`; gamma unused), summed per block and averaged
     over blocks (arXiv 2605.18810; speculators' DFlash default)."""
-    dpace_alpha: float = 0.5
+    dpace_alpha: float | None = None
     """Training, loss dpace: the confidence smoothing, q~ = (1 - alpha) q + alpha, in (0, 1]; 1 weighs position k
-    by the number of trained positions from k on, whatever the drafter's confidence (the paper's and speculators'
-    default: 0.5)."""
+    by the number of trained positions from k on, whatever the drafter's confidence; null: 0.5 (the paper's and
+    speculators' default)."""
     init_std: float | None = None
     """Training: initial weights of fc and the layers' linear maps; null keeps PyTorch's default (Kaiming-uniform,
     std 1/sqrt(3 fan_in)); a number draws them from normal(0, init_std), as transformers' `initializer_range` (0.02)
@@ -154,7 +154,7 @@ class DFlashConfig:
         for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl", "dpace"))):
             if getattr(self, key) not in allowed:
                 raise DFlashError(f"dflash.{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")
-        if not 0 < self.dpace_alpha <= 1:
+        if self.dpace_alpha is not None and not 0 < self.dpace_alpha <= 1:
             raise DFlashError(f"dflash.dpace_alpha={self.dpace_alpha}: expected a number in (0, 1] (the confidence "
                               "smoothing of loss dpace)")
         if self.mask_token_id is not None and self.mask_token_id < 0:
@@ -204,6 +204,11 @@ class DFlashConfig:
     def loss_gamma(self) -> float:
         """gamma in effect: `gamma`, else `default_gamma(block_size)`."""
         return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+
+    @property
+    def loss_alpha(self) -> float:
+        """D-PACE's smoothing in effect: `dpace_alpha`, else 0.5."""
+        return float(self.dpace_alpha) if self.dpace_alpha is not None else 0.5
 
     @property
     def resolved(self) -> bool:

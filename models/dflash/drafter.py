@@ -380,7 +380,7 @@ class DFlashDrafter(Placed, nn.Module):
                 columns = self.draft_token_ids()
                 teacher = (lambda k: self._teacher_at(features, anchors, k)[..., columns])
         if cfg.loss == "dpace":  # an out-of-vocabulary target stays on the acceptance chain: confidence 0 there
-            loss, step_losses, drafted = dpace_loss(hidden, lm_weight, targets, trained_here, cfg.dpace_alpha, trained)
+            loss, step_losses, drafted = dpace_loss(hidden, lm_weight, targets, trained_here, cfg.loss_alpha, trained)
         else:
             loss, step_losses, drafted = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma,
                                                      teacher)

@@ -30,5 +30,5 @@ def test_dpace_run_trains_and_exports(tmp_path, verifier_dir):
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["train/loss"]) for r in train)
     assert "train/pos_loss_3" in train[-1]
     drafter = load_dflash(out / "drafter", Verifier.from_pretrained(verifier_dir))
-    assert drafter.cfg.loss == "dpace" and drafter.cfg.dpace_alpha == 0.4
+    assert drafter.cfg.loss == "dpace" and drafter.cfg.loss_alpha == 0.4
     assert summary["steps"] == 2 and summary["consistency"]["new_tokens"] > 0

@@ -172,4 +172,13 @@ def test_bad_dpace_config_is_one_line(values, message):
     with pytest.raises(DFlashError, match=message) as err:
         DFlashConfig(**values)
     assert "\n" not in str(err.value)
-    assert DFlashConfig(loss="dpace", dpace_alpha=1.0).dpace_alpha == 1.0
+    assert DFlashConfig(loss="dpace", dpace_alpha=1.0).loss_alpha == 1.0 and DFlashConfig().loss_alpha == 0.5
+
+
+def test_a_run_started_before_dpace_is_the_same_run():
+    """dpace_alpha defaults to null, so a run (or a bench folder) recorded before the key existed continues."""
+    from draftheads.train.run_folder import differences
+
+    new = DFlashConfig().to_dict()
+    old = {key: value for key, value in new.items() if key != "dpace_alpha"}
+    assert new["dpace_alpha"] is None and differences(old, new) == []
