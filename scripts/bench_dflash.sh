@@ -20,6 +20,8 @@
 # config has 128): the same rows and steps, fewer blocks trained from each.
 # DFLASH_EXTRA_VOCAB="5:2048" also trains DFlash at block 5 with its own lm_head over a 2048-token draft vocabulary
 # (label b5v2048; dflash.draft_vocab_size, as EAGLE-3's config has): the config's drafters read the verifier's head.
+# DFLASH_EXTRA_LOSSES="5:dpace" also trains DFlash at block 5 with the D-PACE loss (label b5dpace; dflash.loss=dpace,
+# weights from the drafter's own confidence) beside the config's cross-entropy with fixed decay (ce, or kl).
 #
 # DFLASH_SEED=N trains every drafter with --train.seed=N (default 0): the rows' order, the initial weights and DFlash's
 # anchors change, the rows and the held-out set do not; a second seed in another DFLASH_DIR measures how far one
@@ -52,6 +54,11 @@ EXTRA_VOCAB=${DFLASH_EXTRA_VOCAB:-}
 for pair in $EXTRA_VOCAB; do
   [[ $pair =~ ^[0-9]+:[1-9][0-9]*$ ]] || { echo "DFLASH_EXTRA_VOCAB: '$pair': expected BLOCK:VOCAB pairs of" \
     "integers (a vocabulary of 1 token or more) separated by spaces, e.g. '5:2048'" >&2; exit 2; }
+done
+EXTRA_LOSSES=${DFLASH_EXTRA_LOSSES:-}
+for pair in $EXTRA_LOSSES; do
+  [[ $pair =~ ^[0-9]+:(ce|kl|dpace)$ ]] || { echo "DFLASH_EXTRA_LOSSES: '$pair': expected BLOCK:LOSS pairs (LOSS one" \
+    "of ce, kl, dpace) separated by spaces, e.g. '5:dpace'" >&2; exit 2; }
 done
 # Rows made by an earlier run in this folder are reused only if they are the rows asked for: a folder whose
 # selfdistill.jsonl holds another number of functions would train every drafter on other data than the one named.
@@ -135,6 +142,7 @@ for pair in $EXTRA_LAYERS; do
 done
 extra a num_anchors "$EXTRA_ANCHORS"
 extra v draft_vocab_size "$EXTRA_VOCAB"
+extra "" loss "$EXTRA_LOSSES"
 # every label checked: nothing has started training yet if one of them was refused
 for ((i = 0; i < ${#QUEUE[@]}; i += 3)); do
   label=${QUEUE[i]}

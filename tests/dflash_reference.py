@@ -1,6 +1,6 @@
-"""Slow references for DFlash (models/dflash/): the anchored block mask and the loss written as loops, a
-reference-style greedy decode with our drafter, and the case folders the `dflash` package's runner reads (`lively_case`:
-the one both reference tests in tests/e2e/ build)."""
+"""Slow references for DFlash (models/dflash/): the anchored block mask and the losses (DFlash's, D-PACE's) written
+as loops, a reference-style greedy decode with our drafter, and the case folders the `dflash` package's runner reads
+(`lively_case`: the one both reference tests in tests/e2e/ build)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,39 @@ def slow_loss(logits, input_ids, loss_mask, anchors, valid, gamma: float, teache
                 num += w * float(loss)
                 den += w
     return torch.tensor(num / den, dtype=torch.float64)
+
+
+def slow_dpace_loss(logits, targets, trained, alpha: float, chained=None) -> torch.Tensor:
+    """D-PACE by loops, from its definition (arXiv 2605.18810, eqs. 7-9): logits (B, A, K, V) of block positions
+    1..K, targets / trained / chained (B, A, K). Per block: q_k = softmax(logits_k)[target_k] (0 where chained but
+    not trained), smoothed (1 - alpha) q_k + alpha on the chain and 1 off it, P_m the product of the smoothed q over
+    positions 1..m, w_k = the sum of P_m over trained m >= k; the loss is the sum over blocks of
+    sum_k w_k * CE_k over trained k, w held constant, divided by the number of blocks with a trained position.
+    Differentiable in logits (autograd through each CE term)."""
+    B, A, K, _ = logits.shape
+    chained = trained if chained is None else chained
+    total, blocks = logits.new_zeros(()), 0
+    for b in range(B):
+        for j in range(A):
+            if not any(bool(trained[b, j, k]) for k in range(K)):
+                continue
+            blocks += 1
+            ce, smooth = {}, []
+            for k in range(K):
+                if trained[b, j, k]:
+                    ce[k] = -F.log_softmax(logits[b, j, k], -1)[targets[b, j, k]]
+                q = math.exp(-float(ce[k].detach())) if k in ce else 0.0
+                smooth.append((1 - alpha) * q + alpha if chained[b, j, k] else 1.0)
+            for k in ce:
+                weight = 0.0
+                for m in range(k, K):
+                    if m in ce:
+                        reach = 1.0
+                        for i in range(m + 1):
+                            reach *= smooth[i]
+                        weight += reach
+                total = total + weight * ce[k]
+    return total / max(blocks, 1)
 
 
 @torch.no_grad()

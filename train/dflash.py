@@ -108,7 +108,8 @@ def main(cfg: DFlashRunConfig) -> dict:
     record_run_resolved(accelerator, cfg, "dflash", dc.to_dict())
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     say(f"[dflash] {n_params / 1e6:.2f}M trainable parameters, {dc.num_hidden_layers} layers, block {dc.block_size}, "
-        f"target layers {dc.target_layer_ids}, mask token {dc.mask_token_id}, gamma {dc.loss_gamma:g} "
+        f"target layers {dc.target_layer_ids}, mask token {dc.mask_token_id}, loss "
+        f"{f'dpace alpha {dc.loss_alpha:g}' if dc.loss == 'dpace' else f'{dc.loss} gamma {dc.loss_gamma:g}'} "
         f"({cfg.features} features)")
 
     model = DFlashTrainModule(drafter)

@@ -17,7 +17,8 @@ Training (models/dflash/blocks.py, losses.py): A random anchors per row at loss-
 forward over the row's whole context with the anchored block mask (a block sees the context strictly before its
 anchor and itself, never another block; on a CPU scored block by block, not as one dense mask); position k learns
 x_{a+k} (or the verifier's greedy token there) with cross-entropy (loss: kl, KL against the verifier's distribution)
-weighted exp(-(k-1)/gamma), gamma = 7 for N = 16, 4 for N = 8 (1 + 3N/8 in general).
+weighted exp(-(k-1)/gamma), gamma = 7 for N = 16, 4 for N = 8 (1 + 3N/8 in general), or (loss: dpace) with
+cross-entropy weighted by D-PACE's weights, from the drafter's own confidence in each position's target.
 
 Parameter names and `forward` follow z-lab's `DFlashDraftModel` (`dflash` 0.1.0), so weights move between the two
 unchanged; the engine API is in drafter.py's docstring. Export / load: models/export.py.
@@ -47,5 +48,5 @@ from draftheads.models.dflash.drafter import (  # noqa: F401
     build_drafter,
     zero_mask_warning,
 )
-from draftheads.models.dflash.losses import dflash_loss, position_weights  # noqa: F401
+from draftheads.models.dflash.losses import dflash_loss, dpace_loss, dpace_weights, position_weights  # noqa: F401
 from draftheads.models.dflash.train import DFlashTrainModule  # noqa: F401

@@ -74,10 +74,17 @@ class DFlashConfig:
     targets: Literal["data", "verifier"] = "data"
     """Training: what block position k learns, the data token anchor+k (self-distilled data: the verifier's own
     output) or the verifier's greedy token there (argmax of its logits at anchor+k-1)."""
-    loss: Literal["ce", "kl"] = "ce"
-    """Training: `ce`, cross-entropy against the `targets` token (the DFlash paper's); `kl`, KL(verifier || drafter)
-    against the verifier's whole next-token distribution at anchor+k (its logits at anchor+k-1: soft targets, as
-    our EAGLE-3 trains)."""
+    loss: Literal["ce", "kl", "dpace"] = "ce"
+    """Training: `ce`, cross-entropy against the `targets` token weighted exp(-(k-1)/gamma) (the DFlash paper's);
+    `kl`, KL(verifier || drafter) against the verifier's whole next-token distribution at anchor+k (its logits at
+    anchor+k-1: soft targets, as our EAGLE-3 trains), weighted as ce; `dpace`, D-PACE: cross-entropy against the
+    `targets` token, position k weighted by the sum over positions m >= k of the drafter's smoothed probability of
+    drafting positions 1..m right (its own confidence, `dpace_alpha`; gamma unused), summed per block and averaged
+    over blocks (arXiv 2605.18810; speculators' DFlash default)."""
+    dpace_alpha: float | None = None
+    """Training, loss dpace: the confidence smoothing, q~ = (1 - alpha) q + alpha, in (0, 1]; 1 weighs position k
+    by the number of trained positions from k on, whatever the drafter's confidence; null: 0.5 (the paper's and
+    speculators' default)."""
     init_std: float | None = None
     """Training: initial weights of fc and the layers' linear maps; null keeps PyTorch's default (Kaiming-uniform,
     std 1/sqrt(3 fan_in)); a number draws them from normal(0, init_std), as transformers' `initializer_range` (0.02)
@@ -144,9 +151,12 @@ class DFlashConfig:
             raise DFlashError(f"dflash.hidden_act={self.hidden_act!r}: expected {' or '.join(HIDDEN_ACTS)} (vLLM's "
                               "DFlash drafter, qwen3_dflash, builds its MLP with SiluAndMul and serves no other "
                               "activation) or null for the verifier's")
-        for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl"))):
+        for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl", "dpace"))):
             if getattr(self, key) not in allowed:
                 raise DFlashError(f"dflash.{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")
+        if self.dpace_alpha is not None and not 0 < self.dpace_alpha <= 1:
+            raise DFlashError(f"dflash.dpace_alpha={self.dpace_alpha}: expected a number in (0, 1] (the confidence "
+                              "smoothing of loss dpace)")
         if self.mask_token_id is not None and self.mask_token_id < 0:
             raise DFlashError(f"dflash.mask_token_id={self.mask_token_id}: expected a token id >= 0 or null")
         if self.mask_token_id is not None and self.vocab_size is not None and self.mask_token_id >= self.vocab_size:
@@ -194,6 +204,11 @@ class DFlashConfig:
     def loss_gamma(self) -> float:
         """gamma in effect: `gamma`, else `default_gamma(block_size)`."""
         return float(self.gamma) if self.gamma is not None else default_gamma(self.block_size)
+
+    @property
+    def loss_alpha(self) -> float:
+        """D-PACE's smoothing in effect: `dpace_alpha`, else 0.5."""
+        return float(self.dpace_alpha) if self.dpace_alpha is not None else 0.5
 
     @property
     def resolved(self) -> bool:

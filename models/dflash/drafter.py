@@ -57,7 +57,7 @@ from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_conte
                                              block_targets, own_block_mask, sample_anchors)
 from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
-from draftheads.models.dflash.losses import dflash_loss
+from draftheads.models.dflash.losses import dflash_loss, dpace_loss
 from draftheads.models.placed import Placed
 from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
@@ -347,7 +347,8 @@ class DFlashDrafter(Placed, nn.Module):
 
         Block position k = 1..N-1 predicts the token at anchor + k (the data token, or the verifier's greedy token
         with cfg.targets = verifier; cfg.loss = kl: the verifier's whole distribution there), trained where it exists
-        and loss_mask is 1, with weight exp(-(k-1)/gamma), normalised by the sum of the weights (a weighted mean).
+        and loss_mask is 1, with weight exp(-(k-1)/gamma), normalised by the sum of the weights (a weighted mean);
+        cfg.loss = dpace: D-PACE's weights from the drafter's own confidence, averaged over blocks (`dpace_loss`).
         The lm_head's logits are never all held at once (models/linear_loss.py). Counts: block position k is right
         when its argmax equals the verifier's greedy token at anchor + k, scored where loss_mask is 1 (`StepCounts`
         over K = N-1 positions)."""
@@ -378,7 +379,11 @@ class DFlashDrafter(Placed, nn.Module):
             if teacher is not None:  # the verifier's distribution over the draft vocabulary's columns
                 columns = self.draft_token_ids()
                 teacher = (lambda k: self._teacher_at(features, anchors, k)[..., columns])
-        loss, step_losses, drafted = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma, teacher)
+        if cfg.loss == "dpace":  # an out-of-vocabulary target stays on the acceptance chain: confidence 0 there
+            loss, step_losses, drafted = dpace_loss(hidden, lm_weight, targets, trained_here, cfg.loss_alpha, trained)
+        else:
+            loss, step_losses, drafted = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma,
+                                                     teacher)
         with torch.no_grad():  # the loss's own argmaxes: a draft id with an own lm_head, its verifier id here
             drafted = self.draft_token_ids()[drafted] if self.own_lm_head else drafted
             correct = (drafted == greedy_targets).permute(2, 0, 1)  # (N-1, B, A)

@@ -1,5 +1,10 @@
-"""DFlash's loss weights (pure): block position k (1..N-1) counts exp(-(k-1)/gamma), so the first drafted token,
-the one every accepted chain needs, weighs most (the DFlash paper; SpecForge's and speculators' trainers)."""
+"""DFlash's losses (pure functions of the drafter's output, the lm_head, targets and masks).
+
+`dflash_loss` (dflash.loss ce / kl): block position k (1..N-1) counts exp(-(k-1)/gamma), so the first drafted token,
+the one every accepted chain needs, weighs most (the DFlash paper; SpecForge's and speculators' trainers).
+`dpace_loss` (dflash.loss dpace): D-PACE's weights instead, from the drafter's own confidence in each target: the
+derivative of the block's smoothed expected accepted length (Dynamic Position-Aware Cross-Entropy, arXiv
+2605.18810; speculators' DFlash default since 0.9)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from draftheads.models.linear_loss import linear_loss
+from draftheads.models.linear_loss import default_chunk_rows, linear_loss
 
 
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -53,3 +58,74 @@ def dflash_loss(hidden: torch.Tensor, lm_weight: torch.Tensor, targets: torch.Te
         count = trained[:, :, k].sum().clamp(min=1)
         step_losses.append(part.detach() * total / (w[k] * count))
     return torch.stack(losses).sum(), torch.stack(step_losses), torch.stack(argmax, -1)
+
+
+def dpace_weights(confidence: torch.Tensor, trained: torch.Tensor, alpha: float,
+                  chained: torch.Tensor | None = None) -> torch.Tensor:
+    """D-PACE's weight of each block position (pure, no gradient), over the last dimension K (block positions
+    1..K of one block; any leading dimensions).
+
+    confidence (..., K): q_k, the drafter's probability of position k's target (exp(-CE)); trained (..., K) bool:
+    the positions with a loss term; chained (..., K) bool, default trained: the positions on the block's acceptance
+    chain (a superset of trained: a target the drafter cannot produce, outside its own draft vocabulary, is on the
+    chain with q = 0 but has no loss term). Off the chain (a loss-masked or missing position) a position passes the
+    chain through.
+
+    With q~_k = (1 - alpha) q_k + alpha on the chain (1 off it) and P_m = prod_{j<=m} q~_j, the smoothed
+    probability that a draft is accepted up to position m: w_k = trained_k * sum_{m>=k, trained_m} P_m, the
+    derivative of the block's expected accepted length sum_m P_m with respect to log q~_k. Returns (..., K) float32."""
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha={alpha}: expected a number in (0, 1]")
+    chained = trained if chained is None else chained
+    with torch.no_grad():
+        q = confidence.detach().float()
+        smooth = torch.where(chained.bool(), (1 - alpha) * q + alpha, torch.ones_like(q))  # (..., K)
+        reach = torch.cumprod(smooth, dim=-1) * trained.float()  # (..., K): P_m where trained
+        tail = reach.flip(-1).cumsum(-1).flip(-1)  # (..., K): sum over m >= k
+        return tail * trained.float()
+
+
+@torch.no_grad()
+def _target_nll(x: torch.Tensor, lm_weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(M,) float32: -log softmax(x @ lm_weight^T)[target] for x (M, H), targets (M,), a chunk of rows at a time
+    (as `linear_loss` holds its logits)."""
+    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    step = default_chunk_rows(lm_weight.shape[0])
+    for start in range(0, x.shape[0], step):
+        logits = (x[start:start + step] @ lm_weight.T).float()  # (C, V)
+        picked = logits.gather(-1, targets[start:start + step, None]).squeeze(-1)
+        out[start:start + step] = torch.logsumexp(logits, -1) - picked
+    return out
+
+
+def dpace_loss(hidden: torch.Tensor, lm_weight: torch.Tensor, targets: torch.Tensor, trained: torch.Tensor,
+               alpha: float, chained: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The D-PACE loss (Dynamic Position-Aware Cross-Entropy): sum over blocks and trained positions of
+    w_k * CE_k, divided by the number of blocks with a trained position; w_k = `dpace_weights` of the drafter's
+    own confidence exp(-CE_k) in each target, held constant in the backward. Early positions weigh most while the
+    drafter is unsure of them; as they become sure, the later positions' weights grow.
+
+    hidden (B, A, K, H) the drafter's output at block positions 1..K; lm_weight (V, H); targets / trained (B, A, K)
+    (targets: token ids, rows of lm_weight); chained (B, A, K), default trained: positions on the acceptance chain,
+    where a chained position that is not trained counts confidence 0 (`dpace_weights`). Two passes over the
+    lm_head: one without gradients for the confidences (all K positions are needed before any weight is known),
+    then `linear_loss` with those weights. Returns (loss (), step_losses (K,): each position's mean CE, detached,
+    argmax (B, A, K))."""
+    B, A, K, H = hidden.shape
+    chained = trained if chained is None else chained
+    x = [hidden[:, :, k].reshape(-1, H).to(lm_weight.dtype) for k in range(K)]  # K x (B*A, H)
+    flat_targets = [targets[:, :, k].reshape(-1) for k in range(K)]
+    nll = torch.stack([_target_nll(x[k].detach(), lm_weight.detach(), flat_targets[k]) for k in range(K)], -1)
+    nll = nll.view(B, A, K)
+    confidence = torch.where(trained.bool(), torch.exp(-nll), torch.zeros_like(nll))
+    weights = dpace_weights(confidence, trained, alpha, chained)  # (B, A, K)
+    blocks = trained.bool().any(-1).sum().clamp(min=1)
+    losses, argmax = [], []
+    for k in range(K):
+        out = linear_loss(x[k], lm_weight, flat_targets[k], (weights[:, :, k] / blocks).reshape(-1), argmax=True)
+        losses.append(out.loss)
+        argmax.append(out.argmax.view(B, A))
+    mask = trained.float()
+    step_losses = (nll * mask).sum((0, 1)) / mask.sum((0, 1)).clamp(min=1)
+    return torch.stack(losses).sum(), step_losses, torch.stack(argmax, -1)
