@@ -17,6 +17,7 @@ from draftheads.models.dflash import (
 )
 from draftheads.models.verifier import Verifier
 from tests.dflash_reference import slow_dpace_loss
+from tests.unit.test_dflash import make  # a drafter with lively weights, block N
 from tests.utils import tiny_model
 
 N = 4  # block size of the drafters here: K = 3 drafted positions
@@ -99,15 +100,6 @@ def test_dpace_is_neither_ce_nor_kl():
     assert len({round(float(v.detach()), 4) for v in (dpace, ce, kl)}) == 3
     for other in grads[1:]:
         assert torch.cosine_similarity(grads[0], other, 0) < 0.99
-
-
-def make(verifier, seed=0, **overrides):
-    torch.manual_seed(seed)
-    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=2, block_size=N, **overrides)).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.2)
-    return drafter
 
 
 def batch():
