@@ -920,6 +920,271 @@ CASES += [
 ]
 
 
+
+# ---- the surfaces added since: import-peer, the output rule on every writing verb, the cache, regenerate, config keys
+def snap(path: Path):
+    """What `path` holds, byte for byte: a file's bytes, a folder's {relative path: bytes or None for a folder}."""
+    if path.is_file():
+        return path.read_bytes()
+    return {str(p.relative_to(path)): p.read_bytes() if p.is_file() else None for p in sorted(path.rglob("*"))}
+
+
+SNAPSHOTS: dict = {}
+
+
+def kept(setup, *names):
+    """setup= and check= for a case whose command must leave {tmp}/<name> (each of `names`) as it was: `setup`, then a
+    snapshot of each; the check compares byte for byte."""
+    def first(tmp):
+        setup(tmp)
+        SNAPSHOTS[tmp] = {name: snap(tmp / name) for name in names}
+
+    def same(tmp):
+        for name in names:
+            assert (tmp / name).exists() and snap(tmp / name) == SNAPSHOTS[tmp][name], f"{name} was changed"
+
+    return dict(setup=first, check=same)
+
+
+def other_seed_drafter(tmp):
+    """The own run's drafter, with a verifier of the same shapes but other weights (another seed) beside it."""
+    drafter_for(tmp, lambda t: new_weights(t / "v"))
+
+
+def short_d2t(tmp):
+    """The own run's drafter with its d2t cut to fewer ids than lm_head has rows."""
+    from safetensors.torch import load_file, save_file
+
+    drafter_for(tmp)
+    file = tmp / "drafter" / "model.safetensors"
+    tensors = load_file(file)
+    tensors["d2t"] = tensors["d2t"][:150].contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def peer_and(kind):
+    """A drafter folder to import, and {tmp}/out holding `kind`: a cache, an eval's results or a file."""
+    def setup(tmp):
+        drafter_for(tmp)
+        if kind == "cache":
+            write(tmp / "out" / "index.json", json.dumps({"format": "draftheads-hidden-states"}))
+        elif kind == "eval":
+            shutil.copytree(shared_eval(), tmp / "out")
+        else:
+            write(tmp / "out", "not a folder")
+    return setup
+
+
+def eval_results(tmp):
+    prompts_file(tmp)
+    shutil.copytree(shared_eval(), tmp / "eval")
+
+
+def run_and_prompts(tmp):
+    run_and_peer(tmp)
+    prompts_file(tmp)
+
+
+def cache_and_prompts(tmp):
+    a_cache(tmp)
+    prompts_file(tmp)
+
+
+def cache_negative_id(tmp):
+    """A shard whose row 1 starts with token id -7, its sidecar and index.json rewritten to the new sha256 (as a
+    dump with a bug, or a hand edit, would leave it: every hash agrees)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from draftheads.data.identity import sha256_file
+
+    copy_own_cache(tmp)
+    shard = tmp / "cache" / "train-00000.safetensors"
+    old = sha256_file(shard)
+    with safe_open(shard, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(shard)
+    tensors["input_ids"][1, 0] = -7
+    save_file(tensors, str(shard), metadata=metadata)  # the same header: the same size
+    new = sha256_file(shard)
+    for name in ("index.json", "train-00000.json"):
+        path = tmp / "cache" / name
+        if path.exists():
+            path.write_text(path.read_text().replace(old, new))
+
+
+def surrogate_rows(tmp):
+    write(tmp / "rows.jsonl", "".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 4}) + "\n"
+                                      for i in range(12)) + '{"text": "caf\\ud800 def g(y):\\n    return y\\n"}\n')
+
+
+def mixed_dflash(tmp):
+    """A DFlash export whose two layers are one sliding, one full (vLLM serves that only with its V2 runner, on a
+    GPU)."""
+    from draftheads.models.dflash import DFlashConfig, build_drafter
+    from draftheads.models.export import export_dflash
+    from draftheads.models.verifier import Verifier
+
+    prompts_file(tmp)
+    verifier = Verifier.from_pretrained(VERIFIER)
+    cfg = DFlashConfig(num_hidden_layers=2, block_size=5, layer_types=["sliding_attention", "full_attention"],
+                       sliding_window=5)
+    export_dflash(build_drafter(verifier, cfg), tmp / "dflash", verifier)
+
+
+def not_judged(why: str):
+    """The check of a serve-check case: its one report (--json) is not passed and says why it was not run (`why`, a
+    regex), so no vLLM was asked (a start would have ended in `DRAFTHEADS_VLLM_PYTHON=...: no such file`)."""
+    def check(tmp):
+        reports = json.loads((tmp / "report.json").read_text())
+        assert len(reports) == 1 and not reports[0]["passed"], reports
+        said = f"{reports[0]['not_run'] or ''} {reports[0]['unjudged'] or ''}"
+        assert re.search(why, said), said
+    return check
+
+
+def medusa_replaced(tmp):
+    """An eval's results.json whose Medusa-2 drafter folder was replaced after the run (the recorded digest is not
+    the folder's)."""
+    write(tmp / "medusa" / "config.json", json.dumps({"draftheads": {"method": "medusa"}}))
+    results = json.loads((shared_eval() / "results.json").read_text())
+    results["config"]["methods"] = [{"label": "medusa", "method": "medusa", "draft": str(tmp / "medusa"),
+                                     "draft_digest": "0000000000000000", "options": {}}]
+    write(tmp / "results.json", json.dumps(results))
+
+
+def eagle1_drafter(tmp):
+    """An EAGLE-1 drafter exported for the catalogue's verifier."""
+    from draftheads.models.eagle import EagleConfig, build_drafter
+    from draftheads.models.export import export_eagle
+    from draftheads.models.verifier import Verifier
+
+    verifier = Verifier.from_pretrained(VERIFIER)
+    export_eagle(build_drafter(verifier, EagleConfig(version=1)), tmp / "eagle1", verifier)
+
+
+IMPORT = ["draftheads", "import-peer", "--verifier={tmp}/v", "--draft", "{tmp}/drafter"]
+SERVE = ["draftheads", "serve-check", "--verifier={v}", "--prompts", "{tmp}/prompts.jsonl", "--num-prompts", "1",
+         "--max-new-tokens", "4", "--json", "{tmp}/report.json", "--draft"]
+NO_VLLM = {"DRAFTHEADS_VLLM_PYTHON": "/nonexistent/python"}
+REGEN = ["draftheads", "regenerate", "--verifier={v}", "--source", "{data}", "--out", "{tmp}/r.jsonl",
+         "--max-new-tokens", "2"]
+DFLASH = ["draftheads", "train", "dflash", "--config", "configs/dflash-tiny.yaml", "--verifier={v}",
+          "--output_dir={tmp}/run", "--data.source={data}", "--data.seq_len=32", "--data.eval_rows=2",
+          "--train.batch_size=2", "--train.max_steps=3", "--train.warmup_steps=1", "--train.mixed_precision=no",
+          "--wandb.enabled=false"]
+EAGLE1 = [*TRAIN[:3], "configs/eagle1-tiny.yaml", *TRAIN[4:]]
+
+CASES += [
+    # ---- import-peer
+    Case("import-peer: a draftheads drafter trained for another verifier (same shapes, other weights)", IMPORT,
+         r"--draft .*drafter: trained for verifier .*\(fingerprint \w+\), not --verifier .*\(fingerprint \w+\): "
+         r".*--retarget", setup=other_seed_drafter),
+    Case("import-peer: the same, with --retarget", [*IMPORT, "--retarget", "--fix", "{tmp}/fixed"], r"^$",
+         setup=other_seed_drafter, code=(0,), check=lambda tmp: (tmp / "fixed" / "model.safetensors").is_file(),
+         behaviour="writes the fixed folder for this verifier (the user says the drafter is meant for it)"),
+    Case("import-peer --fix: a d2t shorter than lm_head's rows", [*IMPORT, "--fix", "{tmp}/fixed"],
+         r"d2t maps 150 draft ids but lm_head\.weight has 200 rows", setup=short_d2t),
+    Case("import-peer --fix onto a feature cache", [*IMPORT, "--fix", "{tmp}/out"],
+         r"--fix .*out: it holds a feature cache .*nothing was written", **kept(peer_and("cache"), "out")),
+    Case("import-peer --fix onto an eval's output", [*IMPORT, "--fix", "{tmp}/out"],
+         r"--fix .*out: it holds a `draftheads eval` output .*nothing was written", **kept(peer_and("eval"), "out")),
+    Case("import-peer --fix onto a file", [*IMPORT, "--fix", "{tmp}/out"], r"--fix .*out: a file is in the way",
+         **kept(peer_and("file"), "out")),
+    # ---- the output rule on every writing verb (models/outputs.py)
+    Case("build-verifier --out onto a training run folder", ["draftheads", "build-verifier", "--recipe", "micro",
+                                                            "--out", "{tmp}/run"],
+         r"--out .*run: it holds a training run folder .*nothing was written", **kept(run_and_peer, "run")),
+    Case("build-verifier --out onto a drafter folder", ["draftheads", "build-verifier", "--recipe", "micro", "--out",
+                                                       "{tmp}/drafter"],
+         r"--out .*drafter: it holds a draftheads drafter folder .*nothing was written", **kept(drafter_for,
+                                                                                              "drafter")),
+    Case("dump-features --out onto an eval's output", [*DUMP, *TRAIN[2:], "--out", "{tmp}/eval"],
+         r"--out .*eval: it holds a `draftheads eval` output .*nothing was written", **kept(eval_results, "eval")),
+    Case("dump-features --out onto a file", [*DUMP, *TRAIN[2:], "--out", "{tmp}/run"],
+         r"--out .*run: a file is in the way", **kept(a_file, "run")),
+    Case("tune --out onto a training run folder", ["draftheads", "tune", "--verifier={v}", "--candidate", "ngram",
+                                                  "--prompts", "{tmp}/prompts.jsonl", "--out", "{tmp}/run"],
+         r"--out .*run: it holds a training run folder .*nothing was written", **kept(run_and_prompts, "run")),
+    Case("eval --out onto a feature cache", [*EVAL[:-1], "{tmp}/cache"],
+         r"--out .*cache: it holds a feature cache .*nothing was written", **kept(cache_and_prompts, "cache")),
+    # ---- the feature cache
+    Case("offline run on a cache shard with one byte flipped (same size)", train(*OFFLINE, **OWN_OFF),
+         r"train-00000\.safetensors: sha256 differs from index\.json", setup=cache_bytes_flipped),
+    Case("offline run on a shard holding token id -7 (its hashes rewritten to match)", train(*OFFLINE, **OWN_OFF),
+         r"row 1 holds token id -7", setup=cache_negative_id),
+    Case("dump: an hf cache continued with --backend vllm", [*DUMP, *train(**OWN)[2:], "--out", "{tmp}/cache",
+                                                             "--backend", "vllm"],
+         r"plan\.json: this cache was started with backend='hf', this dump has backend='vllm'", setup=dumped,
+         env=NO_VLLM, check=lambda tmp: (tmp / "cache" / "index.json").is_file()),
+    Case("dump: --backend vllm without vLLM", [*DUMP, *train()[2:], "--out", "{tmp}/cache", "--backend", "vllm"],
+         r"DRAFTHEADS_VLLM_PYTHON='/nonexistent/python': no such file", env=NO_VLLM),
+    Case("dump: --backend vllm --tensor-parallel-size 0", [*DUMP, *train()[2:], "--out", "{tmp}/cache", "--backend",
+                                                          "vllm", "--tensor-parallel-size", "0"],
+         r"tensor_parallel_size=0: expected 1, or more with backend vllm", env=NO_VLLM),
+    Case("dump: --tensor-parallel-size 2 with the hf backend", [*DUMP, *train()[2:], "--out", "{tmp}/cache",
+                                                               "--tensor-parallel-size", "2"],
+         r"tensor_parallel_size=2: expected 1, or more with backend vllm"),
+    # ---- regenerate
+    Case("regenerate: --backend vllm with --device", [*REGEN, "--backend", "vllm", "--device", "cpu"],
+         r"--device is the hf backend's", env=NO_VLLM),
+    Case("regenerate: --tensor-parallel-size with the hf backend", [*REGEN, "--tensor-parallel-size", "2"],
+         r"--tensor-parallel-size and --max-model-len are the vllm backend's"),
+    Case("regenerate: --out in a folder that cannot be created", [*REGEN[:6], "/proc/draftheads/r.jsonl", *REGEN[7:]],
+         r"--out /proc/draftheads/r\.jsonl"),
+    Case("a text row with a lone surrogate escape (strict)", train("--data.strict=true", source="{tmp}/rows.jsonl"),
+         r"rows\.jsonl:13: .*a lone surrogate", setup=surrogate_rows),
+    Case("a text row with a lone surrogate escape (not strict)", train(source="{tmp}/rows.jsonl"), r"^$",
+         setup=surrogate_rows, code=(0,), check=exported,
+         behaviour="trains on the other 12 rows; a warning names the skipped row (rows.jsonl:13, a lone surrogate)"),
+    # ---- config keys of the newer drafters and sections
+    Case("dflash.hidden_act not an activation vLLM knows", [*DFLASH, "--dflash.hidden_act=swishy"],
+         r"dflash\.hidden_act='swishy': expected"),
+    Case("dflash.loss misspelt", [*DFLASH, "--dflash.loss=dpace2"], r"dflash\.loss.*dpace2"),
+    Case("dflash.dpace_alpha above 1", [*DFLASH, "--dflash.loss=dpace", "--dflash.dpace_alpha=2"],
+         r"dflash\.dpace_alpha=2(\.0)?: expected a number in \(0, 1\]"),
+    Case("eagle.checkpoint_layers not a boolean", [*TRAIN, "--eagle.checkpoint_layers=maybe"],
+         r"checkpoint_layers.*maybe"),
+    Case("eagle.checkpoint_layers with EAGLE-1", [*EAGLE1, "--eagle.checkpoint_layers=true"],
+         r"checkpoint_layers"),
+    Case("a negative train.seed", [*TRAIN, "--train.seed=-1"], r"train\.seed=-1"),
+    Case("wandb.project with a character wandb refuses", [*TRAIN, "--wandb.project=a/b"], r"wandb\.project='?a/b"),
+    Case("data.chat_template file missing", [*TRAIN, "--data.chat_template=nope.jinja"],
+         r"data\.chat_template.*nope\.jinja"),
+    Case("EAGLE-3 layer ids below 0", [*TRAIN, "--eagle.layer_ids=[-1,0,1]"], r"\[-1\] out of range|layer_ids"),
+    Case("output_dir empty", [*TRAIN, "--output_dir="], r"output_dir"),
+    Case("dflash.targets not data or verifier", [*DFLASH, "--dflash.targets=teacher"], r"dflash\.targets.*teacher"),
+    Case("dflash.block_size of 1 (no token to draft)", [*DFLASH, "--dflash.block_size=1"], r"dflash\.block_size=1"),
+    # ---- more of import-peer, regenerate and the writing verbs
+    Case("import-peer --layer-ids: two ids", [*IMPORT, "--layer-ids", "1,2"],
+         r"--layer-ids 1,2: expected three distinct layer ids", setup=drafter_for),
+    Case("import-peer --layer-ids: not numbers", [*IMPORT, "--layer-ids", "a,b,c"],
+         r"--layer-ids a,b,c: expected comma-separated layer ids", setup=drafter_for),
+    Case("import-peer --layer-ids beyond the verifier's layers", [*IMPORT, "--layer-ids", "1,2,99"],
+         r"--layer-ids.*99", setup=drafter_for),
+    Case("import-peer: an EAGLE-1 drafter (import-peer reads EAGLE-3 folders)",
+         ["draftheads", "import-peer", "--verifier={v}", "--draft", "{tmp}/eagle1"], r"not an EAGLE-3 drafter",
+         setup=eagle1_drafter),
+    Case("regenerate: --backend vllm --tensor-parallel-size 0", [*REGEN, "--backend", "vllm",
+                                                                 "--tensor-parallel-size", "0"],
+         r"--tensor-parallel-size must be positive", env=NO_VLLM),
+    Case("tune --out onto a feature cache", ["draftheads", "tune", "--verifier={v}", "--candidate", "ngram",
+                                            "--prompts", "{tmp}/prompts.jsonl", "--out", "{tmp}/cache"],
+         r"--out .*cache: it holds a feature cache .*nothing was written", **kept(cache_and_prompts, "cache")),
+    # ---- recheck and serve-check
+    Case("recheck: a Medusa-2 run whose drafter folder was replaced since", [*RECHECK, "{tmp}/results.json"],
+         r"--draft .*medusa: the drafter folder the run decoded with had content digest 0000000000000000, the "
+         r"folder there now has \w+ \(replaced since\)", setup=medusa_replaced),
+    Case("serve-check: a DFlash drafter with mixed sliding and full layers, on a machine without a GPU",
+         [*SERVE, "{tmp}/dflash"], r"^$", setup=mixed_dflash, code=(1,), env=NO_VLLM,
+         check=not_judged(r"mix sliding and full attention"),
+         behaviour="VERDICT NOT JUDGED, exit 1, before vLLM starts: vLLM serves mixed layers only with its V2 runner, "
+                   "on a GPU"),
+    Case("serve-check: drafter weights truncated", [*SERVE, "{tmp}/drafter"], r"^$", setup=drafter_weights_cut,
+         code=(1,), env=NO_VLLM, check=not_judged(r"model\.safetensors: unreadable"),
+         behaviour="VERDICT NOT JUDGED (the safetensors file is unreadable), exit 1, before vLLM starts"),
+]
+
 @contextlib.contextmanager
 def environment(env: dict | None):
     """os.environ with `env` applied (None unsets a variable), restored afterwards."""
@@ -1045,9 +1310,9 @@ def test_each_case_ends_in_one_clear_line_or_works(catalogue, index):
 
 
 def test_the_catalogue_is_large_and_quick(catalogue):
-    """At least 100 cases, each a clear line or a working command, in a time a CI can afford (the heaviest named)."""
+    """At least 170 cases, each a clear line or a working command, in a time a CI can afford (the heaviest named)."""
     _, rows = catalogue
-    assert len(rows) >= 100, len(rows)
+    assert len(rows) >= 170, len(rows)
     total = sum(row[6] for row in rows)
     slowest = sorted(rows, key=lambda row: -row[6])[:3]
     print(f"{len(rows)} cases in {total:.1f} s; slowest: " + ", ".join(f"{r[0].what} ({r[6]:.1f} s)" for r in slowest))
