@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
 import torch
@@ -12,6 +14,20 @@ STATIC_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe")
 """Families the engine decodes on its static-cache runtime."""
 GENERIC_FAMILIES = ("gemma3", "olmo2", "phi3")
 """Families it decodes on the generic path (the model's own forward and cache)."""
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script_module(name: str):
+    """scripts/NAME.py as a module (scripts/ is not a package), loaded once and registered under NAME in
+    sys.modules, as its dataclasses and a script importing it by name (`import bench_peers`) need."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def tiny_config(family: str = "llama", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,

@@ -1,25 +1,16 @@
 """scripts/bench_decode.py, scripts/train_draft_model.py and scripts/selfdistill_data.py on a tiny random verifier."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.eval_fixtures import build_eval_setup
+from tests.utils import script_module
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def script(name: str):
-    if name not in sys.modules:  # scripts/ is not a package
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+script = script_module
 
 
 @pytest.fixture(scope="module")

@@ -1,21 +1,13 @@
 """scripts/bench_scale.py --tiny: one trainer, one seq, the whole pipeline (stand-in, feature cache, a measuring
 child, JSON and table), then --reuse keeping the row without measuring again."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.utils import script_module
 
 
 def bench_module():
-    if "bench_scale" not in sys.modules:  # scripts/ is not a package; dataclasses need the module registered
-        spec = importlib.util.spec_from_file_location("bench_scale", ROOT / "scripts" / "bench_scale.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_scale"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_scale"]
+    return script_module("bench_scale")
 
 
 def test_tiny_bench_writes_a_row_and_reuses_it(tmp_path):

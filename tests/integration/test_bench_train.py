@@ -1,25 +1,18 @@
 """scripts/bench_train.py: one tiny round of each registered method writes a complete report."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.utils import save_tiny_verifier_with_tokenizer
+from tests.utils import save_tiny_verifier_with_tokenizer, script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_module():
-    if "bench_train" not in sys.modules:  # scripts/ is not a package; dataclasses need the module registered
-        spec = importlib.util.spec_from_file_location("bench_train", ROOT / "scripts" / "bench_train.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_train"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["bench_train"]
+    return script_module("bench_train")
 
 
 @pytest.fixture(scope="module")

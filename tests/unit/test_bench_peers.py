@@ -1,21 +1,16 @@
 """The peer bench's bookkeeping (scripts/bench_peers.py): --reuse keeps a result only while nothing it depends on
 changed, and --docs replaces its verifier's section in place."""
 
-import importlib.util
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.utils import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "scripts/bench_peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("bench_peers")
 
 
 def test_reuse_only_when_command_documents_and_verifier_are_the_same(bench, tmp_path):

@@ -2,31 +2,21 @@
 train exactly the positions our `trained_mask` trains, and its count of what speculators trains beyond ours on
 packed documents is that rule's."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from draftheads.models.eagle.drafter import EagleDrafter
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "peer_step_check.py"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPT.parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.utils import script_module
 
 
 @pytest.fixture(scope="module")
 def check():
     # the script imports the bench beside it by name, as `python scripts/peer_step_check.py` finds it
     with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(sys.modules, "bench_peers", load("bench_peers"))
-        yield load("peer_step_check")
+        patch.setitem(sys.modules, "bench_peers", script_module("bench_peers"))
+        yield script_module("peer_step_check")
 
 
 def speculators_trained(masks: list[torch.Tensor], step: int) -> torch.Tensor:

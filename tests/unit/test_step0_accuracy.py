@@ -1,8 +1,5 @@
 """scripts/step0_accuracy.py scores the same quantities the trainers log, on the same positions."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -10,19 +7,11 @@ from draftheads.models.eagle import EagleConfig, build_drafter
 from draftheads.models.medusa import MedusaHeads
 from draftheads.models.verifier import Verifier
 from tests.medusa_reference import head_accuracy
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "step0_accuracy.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("step0_accuracy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.utils import script_module
 
 
 def test_step0_accuracy_matches_the_trainers_metrics(llama_dir):
-    script = load_script()
+    script = script_module("step0_accuracy")
     verifier = Verifier.from_pretrained(llama_dir)
     torch.manual_seed(0)
     V = verifier.vocab_size
