@@ -30,6 +30,16 @@ def script_module(name: str):
     return sys.modules[name]
 
 
+def tiny_eagle3_args(verifier, source, output_dir, *extra, seq_len: int = 32, draft_vocab_size: int = 200) -> list:
+    """A 3-step EAGLE-3 run of configs/eagle3-tiny.yaml on a tiny verifier: the command-line arguments."""
+    return ["--config", str(SCRIPTS.parent / "configs" / "eagle3-tiny.yaml"), f"--verifier={verifier}",
+            f"--data.source={source}", f"--output_dir={output_dir}", "--wandb.enabled=false",
+            f"--data.seq_len={seq_len}", "--data.max_rows=null", "--data.eval_rows=2", "--train.batch_size=2",
+            "--train.max_steps=3", "--train.save_every=0", "--train.log_every=1", "--train.eval_every=0",
+            "--train.eval_batches=1", "--train.warmup_steps=1", "--train.mixed_precision=no", "--eagle.ttt_steps=2",
+            f"--eagle.draft_vocab_size={draft_vocab_size}", "--eagle.layer_ids=null", *extra]
+
+
 def tiny_config(family: str = "llama", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4,
                 **overrides):
     from transformers import (

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from draftheads.models.verifier import Verifier
 from draftheads.train.config import parse_config
-from tests.utils import save_tiny_verifier_with_tokenizer
+from tests.utils import save_tiny_verifier_with_tokenizer, tiny_eagle3_args
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_accelerate")
 
@@ -19,12 +19,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def eagle3_args(verifier_dir, source, output_dir, *extra):
-    return ["--config", str(CONFIGS / "eagle3-tiny.yaml"), f"--verifier={verifier_dir}", f"--data.source={source}",
-            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=24", "--data.max_rows=null",
-            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=3", "--train.save_every=0",
-            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=1", "--train.warmup_steps=1",
-            "--train.mixed_precision=no", "--eagle.ttt_steps=2", "--eagle.draft_vocab_size=100",
-            "--eagle.layer_ids=null", "--consistency.num_prompts=1", "--consistency.max_new_tokens=6", *extra]
+    return tiny_eagle3_args(verifier_dir, source, output_dir, "--consistency.num_prompts=1",
+                            "--consistency.max_new_tokens=6", *extra, seq_len=24, draft_vocab_size=100)
 
 
 def metrics(run_dir) -> list[dict]:

@@ -25,7 +25,7 @@ from draftheads.data.identity import sha256_file
 from draftheads.train.config import parse_config
 from draftheads.train.dump_features import dump
 from draftheads.train.dump_features import main as dump_cli
-from tests.utils import reset_accelerate, save_tiny_verifier_with_tokenizer
+from tests.utils import reset_accelerate, save_tiny_verifier_with_tokenizer, tiny_eagle3_args
 
 pytestmark = [pytest.mark.interop, pytest.mark.usefixtures("one_thread")]
 
@@ -35,13 +35,7 @@ SIZE = dict(hidden_size=128, initializer_range=0.1)  # vLLM's CPU attention need
 TOL = 1e-5  # fp32: relative to the largest value of the key
 
 
-def eagle3_args(verifier, source, output_dir, *extra):
-    return ["--config", str(ROOT / "configs/eagle3-tiny.yaml"), f"--verifier={verifier}", f"--data.source={source}",
-            f"--output_dir={output_dir}", "--wandb.enabled=false", "--data.seq_len=32", "--data.max_rows=null",
-            "--data.eval_rows=2", "--train.batch_size=2", "--train.max_steps=3", "--train.save_every=0",
-            "--train.log_every=1", "--train.eval_every=0", "--train.eval_batches=1", "--train.warmup_steps=1",
-            "--train.mixed_precision=no", "--eagle.ttt_steps=2", "--eagle.draft_vocab_size=200",
-            "--eagle.layer_ids=null", *extra]
+eagle3_args = tiny_eagle3_args
 
 
 def eagle_cfg(*args):
