@@ -65,10 +65,13 @@ def tensor_bytes(tensors) -> int:
 
 def memory_split(modules, optimizers) -> dict:
     """Bytes of what does not grow with the tokens: every parameter and buffer of `modules` and every parameter of
-    `optimizers` (shared storages once), the optimizers' parameters' gradients (as during the step, before
-    zero_grad frees them) and the optimizers' state."""
-    trainable = list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
-    held = [t for m in modules for t in (*m.parameters(), *m.buffers())] + trainable
+    `optimizers` (shared storages once), the gradients of the parameters that have one (called after the optimizer
+    step, before zero_grad frees them) and the optimizers' state."""
+    grouped = list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
+    # what trains: a peer may hand its optimizer frozen parameters too (speculators: the embedding), which get
+    # neither gradients nor state
+    trainable = [p for p in grouped if p.grad is not None] or [p for p in grouped if p.requires_grad]
+    held = [t for m in modules for t in (*m.parameters(), *m.buffers())] + grouped
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
     weights, grads, optimizer = tensor_bytes(held), sum(p.numel() * p.element_size() for p in trainable), \
         tensor_bytes(state)

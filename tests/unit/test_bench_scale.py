@@ -39,3 +39,25 @@ def test_a_report_becomes_a_row_and_a_failure_stays_one_line():
     lines = [x for x in table.splitlines() if x.startswith("| EAGLE-3")]
     assert lines[0].startswith("| EAGLE-3 | llama3-8b | online | 1024 | 12.00 | 6.00 (3.00 + 1.00 + 2.00) | 6.00 |")
     assert "did not fit: killed at 20.3 GiB RSS" in lines[1] and lines[1].count("|") == lines[0].count("|")
+
+
+def test_static_memory_counts_frozen_parameters_as_weights_only():
+    """A peer may hand its optimizer a frozen parameter (speculators: the embedding): weights, not gradients or
+    state."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("scale_meter", bench_module().ROOT / "scripts" / "scale_meter.py")
+    meter = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(meter)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
+    model[0].weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([1, 2])).sum().backward()
+    optimizer.step()
+    split = meter.memory_split([model, model[1]], [optimizer])  # shared tensors counted once
+    assert split["weights_bytes"] == 4 * (40 + 15) and split["grads_bytes"] == 4 * 15
+    assert split["trainable_params"] == 15
+    assert split["optimizer_bytes"] == 2 * 4 * 15 + 2 * 4  # two moments, and a step count per tensor
+    assert split["static_bytes"] == split["weights_bytes"] + split["grads_bytes"] + split["optimizer_bytes"]
