@@ -89,32 +89,34 @@ def _entries(folder: Path) -> list[str]:
                   if p.name != LOCK_FILE and not (p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)))
 
 
-def describe(folder: str | os.PathLike) -> str | None:
-    """What `folder` holds, in words; None when it does not exist or is empty (our lock file aside)."""
-    folder = Path(folder)
+def _look(folder: Path) -> tuple[str | None, str | None]:
+    """(kind, words): the kind of output `folder` holds (a key of KINDS, None for none we know) and what it holds in
+    words (None when it does not exist or is empty, our lock file aside). The folder is listed once."""
     if not folder.exists() and not folder.is_symlink():
-        return None
+        return None, None
     if not folder.is_dir():
-        return "a file"
+        return None, "a file"
     try:
         names = _entries(folder)
     except OSError as err:
-        return f"a folder that cannot be listed ({err.strerror or err})"
+        return None, f"a folder that cannot be listed ({err.strerror or err})"
     if not names:
-        return None
-    for kind in KINDS.values():
+        return None, None
+    for name, kind in KINDS.items():
         if kind.marks(folder):
-            return kind.what
+            return name, kind.what
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return f"a folder of {len(names)} other entr{'y' if len(names) == 1 else 'ies'} ({shown})"
+    return None, f"a folder of {len(names)} other entr{'y' if len(names) == 1 else 'ies'} ({shown})"
+
+
+def describe(folder: str | os.PathLike) -> str | None:
+    """What `folder` holds, in words; None when it does not exist or is empty (our lock file aside)."""
+    return _look(Path(folder))[1]
 
 
 def kind_of(folder: str | os.PathLike) -> str | None:
     """The kind of output `folder` holds (a key of KINDS), None when it is new or empty or of no kind we know."""
-    folder = Path(folder)
-    if not folder.is_dir() or not _entries(folder):
-        return None
-    return next((name for name, kind in KINDS.items() if kind.marks(folder)), None)
+    return _look(Path(folder))[0]
 
 
 def claim_output(folder: str | os.PathLike, kind: str, flag: str) -> Path:
@@ -123,8 +125,8 @@ def claim_output(folder: str | os.PathLike, kind: str, flag: str) -> Path:
     if kind not in WRITABLE:
         raise ValueError(f"unknown output kind {kind!r}: expected one of {', '.join(WRITABLE)}")
     folder = Path(folder)
-    there = describe(folder)
-    if there is None or kind_of(folder) == kind:
+    found, there = _look(folder)
+    if there is None or found == kind:
         return folder
     where = "a file is in the way" if there == "a file" else f"it holds {there}"
     raise OutputInTheWay(f"{flag} {folder}: {where}, and this command writes {KINDS[kind].what} there; "

@@ -54,11 +54,18 @@ def hold_out_folder(out: str, kind: str = "eval"):
     from draftheads.models.outputs import OutputInTheWay, claim_output
 
     folder = Path(out)
-    if not (folder / LOCK_FILE).is_file():  # a folder another eval holds is named as in use, by its lock below
+
+    def claim():
         try:
             claim_output(folder, kind, "--out")
         except OutputInTheWay as err:
             raise UsageError(str(err)) from None
+
+    # Judged once: before the lock, so that nothing (not even a lock file) is added to a folder that is refused;
+    # after it when the folder has a lock file (an eval holds it, or held it), so one in use is named as such.
+    had_lock = (folder / LOCK_FILE).is_file()
+    if not had_lock:
+        claim()
     created, held = not folder.exists(), False
     try:
         try:
@@ -70,10 +77,8 @@ def hold_out_folder(out: str, kind: str = "eval"):
                              "to end or use another --out (nothing it wrote was touched)") from None
         except OSError:  # a folder that cannot be made: check_args names it
             pass
-        try:
-            claim_output(folder, kind, "--out")
-        except OutputInTheWay as err:
-            raise UsageError(str(err)) from None
+        if had_lock:
+            claim()
         yield
     finally:
         if held:
