@@ -904,8 +904,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for name, value in (("--steps", args.steps), ("--threads", args.threads)):
         if value < 1:
             p.error(f"{name}={value}: expected at least 1")
-    if args.warmup < 0 or args.memory_gib <= 0:
-        p.error("--warmup must be >= 0 and --memory-gib > 0")
+    if args.warmup < 0:
+        p.error(f"--warmup={args.warmup}: expected 0 or more")
+    if not args.memory_gib > 0:
+        p.error(f"--memory-gib={args.memory_gib}: expected a number of GiB > 0")
     if args.seqs and min(args.seqs) < 32:
         p.error(f"--seqs {args.seqs}: expected lengths of at least 32 tokens")
     if args.device == "cuda":
