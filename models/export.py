@@ -390,5 +390,9 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     for key, ref in expected.items():
         if tensors[key].dtype != ref.dtype:
             raise DrafterFormatError(f"{weights}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
-    drafter.load_state_dict(layout.state_dict(tensors), strict=True)
+    try:
+        state = layout.state_dict(tensors)
+    except DFlashError as err:
+        raise DrafterFormatError(f"{weights}: {err}") from None
+    drafter.load_state_dict(state, strict=True)
     return drafter.to(device=verifier.device)

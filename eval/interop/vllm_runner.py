@@ -182,6 +182,18 @@ def speculators_dflash_logits(case: dict) -> dict:
     return result
 
 
+def _dspark_forward(case: dict) -> dict:
+    """vLLM's Qwen3DSparkModel class on a DSpark folder (eval/interop/vllm_dspark.py, loaded by path: this file
+    runs as a script in vLLM's environment)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vllm_dspark", os.path.join(os.path.dirname(__file__),
+                                                                               "vllm_dspark.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dspark_forward(case)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: vllm_runner.py JOB.json RESULT.json", file=sys.stderr)
@@ -192,7 +204,8 @@ def main(argv: list[str]) -> int:
         job = json.load(f)
     import vllm
 
-    run = {"speculators_logits": speculators_logits, "speculators_dflash_logits": speculators_dflash_logits}
+    run = {"speculators_logits": speculators_logits, "speculators_dflash_logits": speculators_dflash_logits,
+           "vllm_dspark_forward": _dspark_forward}
     results = {"vllm": vllm.__version__,
                "cases": [run.get(case.get("kind"), run_case)(case) for case in job["cases"]]}
     tmp = argv[1] + ".tmp"

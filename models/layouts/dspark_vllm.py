@@ -9,7 +9,9 @@
           sample_from_anchor false.
   weights the DFlash layout's, plus markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [Vd, r] and,
           with the confidence head, confidence_head.proj.weight [1, H (+ r)] and confidence_head.proj.bias [1]: our
-          module names are vLLM's (load_weights prefixes `model.`; lm_head and d2t as for DFlash).
+          module names are vLLM's (load_weights prefixes `model.`; lm_head and d2t as for DFlash). No t2d: vLLM's
+          DSpark load_weights drops it (training-only), so the folder holds nothing it skips; reading the folder back
+          rebuilds it from d2t.
 
 What vLLM 0.32 does with the folder:
   - Serving: speculative_config {"method": "dspark", "model": FOLDER, "num_speculative_tokens": block_size - 1}.
@@ -60,8 +62,25 @@ def config(drafter, verifier=None, num_speculative_tokens: int | None = None) ->
 
 
 def tensors(drafter) -> dict[str, torch.Tensor]:
-    return dflash_vllm.tensors(drafter)
+    return {k: v for k, v in dflash_vllm.tensors(drafter).items() if k != "t2d"}
 
 
 def state_dict(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return dict(tensors)
+    """The drafter's state dict: the file's tensors, and t2d (V,) from d2t where the drafter has a pruned vocabulary
+    (V is markov_w1's rows, the verifier's vocabulary)."""
+    from draftheads.models.eagle.vocab import draft_to_target, maps_problem
+
+    out = dict(tensors)
+    if "d2t" in out:
+        d2t = out["d2t"]
+        vocab_size = out["markov_head.markov_w1.weight"].shape[0]
+        targets = draft_to_target(torch.arange(d2t.numel()), d2t)
+        if bool(((targets < 0) | (targets >= vocab_size)).any()):
+            raise dflash_vllm.error(f"d2t maps draft ids outside the verifier's vocabulary of {vocab_size}")
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[targets] = True
+        problem = maps_problem(d2t, t2d, vocab_size)
+        if problem:
+            raise dflash_vllm.error(f"d2t: {problem}")
+        out["t2d"] = t2d
+    return out
