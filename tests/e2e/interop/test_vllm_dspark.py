@@ -122,3 +122,23 @@ def test_a_nudged_export_differs(dspark):
     assert theirs["ok"], theirs.get("error")
     for key in ("hidden", "base_logits", "markov_bias", "confidence"):
         assert (torch.tensor(theirs[key]) - want[key].float()).abs().max() > 1e-3, key
+
+
+def test_serve_check_says_it_cannot_serve_dspark_here(tmp_path, capsys):
+    """serve-check names why a DSpark export is not served on this machine (both layouts), in its verdict line."""
+    from draftheads.eval.interop import serve_check
+    from tests.utils import save_tiny_verifier_with_tokenizer
+
+    vdir = save_tiny_verifier_with_tokenizer(tmp_path / "verifier", "qwen3", **SIZE)
+    verifier = Verifier.from_pretrained(vdir)
+    drafter = build_drafter(verifier, DFlashConfig(num_hidden_layers=1, block_size=K + 1, markov_rank=8))
+    folders = [export_dflash(drafter, tmp_path / engine, verifier, engine=engine)
+               for engine in ("vllm", "speculators")]
+    code = serve_check.main(["--verifier", str(vdir), "--draft", *map(str, folders), "--num-prompts", "1",
+                             "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    for folder in folders:
+        line = next(x for x in out.splitlines() if x.startswith(f"VERDICT {folder}:"))
+        assert line.startswith(f"VERDICT {folder}: NOT JUDGED - not run in vLLM: a DSpark drafter (Markov head): "
+                               "vLLM serves method dspark only with its V2 GPU model runner"), line
