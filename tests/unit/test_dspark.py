@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from draftheads.models.dflash import DFlashConfig, DFlashError, build_drafter, markov_chain, sample_anchors, token_overlap
+from draftheads.models.dflash import (DFlashConfig, DFlashError, build_drafter, markov_chain, sample_anchors,
+                                      token_overlap)
 from draftheads.models.export import DrafterFormatError, check_dflash_engine, export_dflash, load_dflash
 from draftheads.models.linear_loss import linear_loss
 from draftheads.models.verifier import Verifier

@@ -142,3 +142,42 @@ def test_serve_check_says_it_cannot_serve_dspark_here(tmp_path, capsys):
         line = next(x for x in out.splitlines() if x.startswith(f"VERDICT {folder}:"))
         assert line.startswith(f"VERDICT {folder}: NOT JUDGED - not run in vLLM: a DSpark drafter (Markov head): "
                                "vLLM serves method dspark only with its V2 GPU model runner"), line
+
+
+def test_speculators_library_reads_our_dspark_export_with_its_own_classes(tmp_path, vllm_ready):
+    """speculators 0.9's own DSparkDraftModel (`SpeculatorModel.from_pretrained` on our speculators-format export,
+    in .venv-vllm) runs its training forward over anchored blocks: its block logits, its Markov head's bias (the
+    previous block token teacher-forced, the anchor first) and its confidence head's logits equal ours to float
+    tolerance; the same blocks one position later differ."""
+    from draftheads.eval.interop.vllm_peer import SpeculatorsDFlashLogits
+
+    model = peaked_model("qwen3", **SIZE)
+    vdir = tmp_path / "verifier"
+    model.save_pretrained(vdir, safe_serialization=True)
+    verifier = Verifier.from_pretrained(vdir)
+    drafter = trained_dspark(verifier, greedy_corpus(verifier.model, FIT, 40))
+    folder = export_dflash(drafter, tmp_path / "speculators", verifier, engine="speculators")
+    ids = torch.tensor([PROMPTS[2] + FIT[-1] + PROMPTS[0]])
+    N = drafter.block_size
+    anchors = [1, 4, 5, ids.shape[1] - N - 1]
+    hidden = torch.cat(verifier.features(ids, layer_ids=drafter.feature_layers).layers, -1)
+
+    def ours(at):
+        with torch.no_grad():
+            h = drafter.anchored_hidden(ids, hidden, torch.tensor([at]), torch.ones(1, len(at), dtype=torch.bool))[0]
+            prev = torch.stack([ids[0, [a] + list(range(a, a + N - 1))] for a in at])  # (A, N): anchor, then shifted
+            embed = drafter.markov_head.embed(prev)
+            return {"logits": drafter.logits(h).flatten(0, 1),
+                    "markov_bias": drafter.markov_head.bias(embed).flatten(0, 1),
+                    "confidence_logits": drafter.confidence_head(h, embed).flatten()}
+
+    case = SpeculatorsDFlashLogits("qwen3-dspark-speculators", str(folder), ids[0].tolist(), hidden[0].tolist(),
+                                   anchors)
+    result = run_vllm([case])["cases"][0]
+    assert result["ok"], f"{result.get('error')}\n{result.get('traceback')}"
+    assert result["model_class"] == "DSparkDraftModel" and result["block_size"] == N
+    want, moved = ours(anchors), ours([a + 1 for a in anchors])
+    for key in ("logits", "markov_bias", "confidence_logits"):
+        theirs = torch.tensor(result[key])
+        torch.testing.assert_close(theirs, want[key], atol=1e-4, rtol=1e-4, msg=lambda m, key=key: f"{key}: {m}")
+        assert (moved[key] - theirs).abs().max() > 1e-2, key  # the comparison can fail
