@@ -7,7 +7,8 @@ check and the scripts read through it.
     export_eagle(drafter, folder, verifier, training=..., engine="vllm")    EAGLE-1/3: vllm | sglang | speculators
     drafter = load_eagle(folder, verifier)
     check_eagle_engine(cfg, engine)                                          at config time, before any training
-    export_dflash(drafter, folder, verifier, training=..., engine="vllm")   DFlash: vllm (= sglang) | speculators
+    export_dflash(drafter, folder, verifier, training=..., engine="vllm")   DFlash: vllm (= sglang) | speculators;
+                                                                             DSpark (markov_rank): vllm | speculators
     drafter = load_dflash(folder, verifier)
     check_dflash_engine(cfg, engine)                                         at config time, before any training
     check_dflash_verifier(engine, verifier)                                  once the verifier is read
@@ -34,6 +35,8 @@ from draftheads.models.eagle import Eagle1Drafter, Eagle3Drafter, EagleConfig, E
 from draftheads.models.layouts import (
     dflash_speculators,
     dflash_vllm,
+    dspark_speculators,
+    dspark_vllm,
     eagle_sglang,
     eagle_speculators,
     eagle_vllm,
@@ -61,6 +64,9 @@ ENGINES = tuple(EAGLE_LAYOUTS)
 DFLASH_LAYOUTS = {"vllm": dflash_vllm, "sglang": dflash_vllm, "speculators": dflash_speculators}
 """SGLang reads z-lab's layout as vLLM does (models/layouts/dflash_vllm.py), so engine sglang writes that folder."""
 DFLASH_ENGINES = tuple(DFLASH_LAYOUTS)
+DSPARK_LAYOUTS = {"vllm": dspark_vllm, "speculators": dspark_speculators}
+"""DSpark (a DFlash drafter with `markov_rank`): vLLM's Qwen3DSparkModel and speculators' dspark format; SGLang's
+reading of DSpark is not checked here, so engine sglang is refused for it."""
 MEDUSA = "medusa"
 
 
@@ -290,18 +296,25 @@ def fill_eagle(drafter: EagleDrafter, tensors: dict[str, torch.Tensor], engine: 
 
 
 # ---- DFlash --------------------------------------------------------------------------------------------------------
-def _dflash_layout(engine: str):
+def _dflash_layout(engine: str, cfg=None):
+    """The layout module for `engine`; a DSpark config (`markov_rank`) gets its DSpark layout."""
     from draftheads.models.dflash import DFlashError
 
     if engine not in DFLASH_LAYOUTS:
         raise DFlashError(f"engine={engine!r}: expected one of {', '.join(DFLASH_ENGINES)}")
+    if cfg is not None and cfg.dspark:
+        if engine not in DSPARK_LAYOUTS:
+            raise DFlashError(f"dflash.markov_rank={cfg.markov_rank} (DSpark) with engine {engine}: how {engine} "
+                              f"reads a DSpark drafter is not checked here; export for engine "
+                              f"{' or '.join(DSPARK_LAYOUTS)}")
+        return DSPARK_LAYOUTS[engine]
     return DFLASH_LAYOUTS[engine]
 
 
 def check_dflash_engine(cfg, engine: str):
     """Refuse a DFlashConfig that `engine` would read differently from how the drafter trains (a DFlashError naming
     the key and the engine). Returns `cfg`."""
-    layout = _dflash_layout(engine)
+    layout = _dflash_layout(engine, cfg)
     layout.resolve(cfg)
     layout.check(cfg)
     _check_sglang_own_head(cfg, engine)
@@ -338,7 +351,7 @@ def export_dflash(drafter, folder: str | os.PathLike, verifier, training: dict |
     """Write a DFlash drafter (`draftheads.models.dflash.DFlashDrafter`) for an inference engine, atomically, in
     that engine's layout (models/layouts/dflash_*.py). `num_speculative_tokens` goes into the speculators format
     (what `vllm serve DRAFTER_DIR` drafts per step; default block_size - 1)."""
-    layout = _dflash_layout(engine)
+    layout = _dflash_layout(engine, drafter.cfg)
     layout.check(drafter.cfg)
     _check_sglang_own_head(drafter.cfg, engine)
     check_dflash_verifier(engine, verifier)
@@ -359,9 +372,9 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     config, tensors = read_drafter(folder, expect_method="dflash")
     where, weights = str(folder / CONFIG_NAME), folder / WEIGHTS_NAME
     meta, engine = _read_record(config, folder, verifier, "dflash", DFLASH_LAYOUTS, check_fingerprint)
-    layout = DFLASH_LAYOUTS[engine]
     try:
         cfg = DFlashConfig.from_dict(meta["dflash"], where=f"{where}: draftheads.dflash")
+        layout = _dflash_layout(engine, cfg)
         drafter = DFlashDrafter(cfg, verifier)
     except DFlashError as err:
         raise DrafterFormatError(f"{where}: draftheads.dflash is not a DFlash drafter for this verifier ({err})") \
@@ -377,5 +390,9 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     for key, ref in expected.items():
         if tensors[key].dtype != ref.dtype:
             raise DrafterFormatError(f"{weights}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
-    drafter.load_state_dict(layout.state_dict(tensors), strict=True)
+    try:
+        state = layout.state_dict(tensors)
+    except DFlashError as err:
+        raise DrafterFormatError(f"{weights}: {err}") from None
+    drafter.load_state_dict(state, strict=True)
     return drafter.to(device=verifier.device)

@@ -19,6 +19,10 @@ Also returned, detached, for logging: the CE and KL parts and `hits` (R,) = how 
 target at rank r of the logits (top-1 accuracy is hits[0] / rows). Under `torch.no_grad()` (or when neither x
 nor weight needs grad) the same chunks run without any gradient work: that is the held-out evaluation path.
 Works under autocast (the matmuls run in the autocast dtype, the softmax in fp32) and with frozen weights.
+
+A second linear term may be added to the logits, `extra=(x2 (N, r), weight2 (V, r))`: logits = x W^T + x2 W2^T
+(DSpark's low-rank Markov bias beside a frozen lm_head); each pair gets its own gradients, so a frozen W never gets a
+(V, H) gradient because W2 trains.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows, grads,
-            want_argmax=False):
+            want_argmax=False, x2=None, weight2=None):
     """The shared loop: yields nothing, returns sums (and gradients when `grads`), and each row's argmax (an empty
     tensor unless `want_argmax`)."""
     N = x.shape[0]
@@ -74,12 +78,19 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
     grad_x = torch.empty_like(x) if grads and x.requires_grad else None
     grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) \
         if grads and weight.requires_grad else None
+    w2_mm = weight2.to(mm) if weight2 is not None else None
+    grad_x2 = torch.empty_like(x2) if grads and x2 is not None and x2.requires_grad else None
+    grad_w2 = torch.zeros(weight2.shape, dtype=acc, device=weight2.device) \
+        if grads and weight2 is not None and weight2.requires_grad else None
     with torch.autocast(x.device.type, enabled=False):  # dtypes are explicit below
         for start in range(0, N, chunk_rows):
             stop = min(start + chunk_rows, N)
             x_c = x[start:stop].to(mm)  # (C, H)
             t_c, w_c = target[start:stop], token_weight[start:stop].to(acc)  # (C,)
             logits = (x_c @ w_mm.T).to(acc)  # (C, V)
+            if w2_mm is not None:
+                x2_c = x2[start:stop].to(mm)  # (C, r)
+                logits += (x2_c @ w2_mm.T).to(acc)
             log_q = torch.log_softmax(logits, dim=-1)
             ce = -log_q.gather(-1, t_c[:, None]).squeeze(-1)  # (C,)
             ce_sum += (w_c * ce).sum()
@@ -99,7 +110,7 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
                 hits += ((top[:, :max_rank] == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
                 if want_argmax:
                     argmax[start:stop] = top[:, 0]
-            if grad_x is None and grad_w is None:
+            if grad_x is None and grad_w is None and grad_x2 is None and grad_w2 is None:
                 continue
             # d/dlogits of ce_weight·CE + kl_weight·KL = (ce_weight + kl_weight)·q − ce_weight·onehot − kl_weight·p
             g = log_q.exp_().mul_(ce_weight + kl_weight)  # (C, V), reuses log_q's memory
@@ -117,37 +128,43 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
                     grad_w.addmm_(g.T, x_c)  # (V, H), accumulated in place
                 else:
                     grad_w += g.T @ x_c  # a bf16/fp16 product, added into the fp32 sum
-    return loss, ce_sum, kl_sum, hits, grad_x, grad_w, argmax
+            if grad_x2 is not None:
+                grad_x2[start:stop] = (g @ w2_mm).to(x2.dtype)  # (C, r)
+            if grad_w2 is not None:
+                grad_w2 += (g.T @ x2_c).to(acc)  # (V, r)
+    return loss, ce_sum, kl_sum, hits, grad_x, grad_w, argmax, grad_x2, grad_w2
 
 
 class _LinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows,
-                want_argmax):
-        loss, ce, kl, hits, grad_x, grad_w, argmax = _chunks(x, weight, target, token_weight, teacher_logits,
-                                                             ce_weight, kl_weight, max_rank, chunk_rows, grads=True,
-                                                             want_argmax=want_argmax)
-        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if grad_w is not None else None)
+                want_argmax, x2, weight2):
+        loss, ce, kl, hits, grad_x, grad_w, argmax, grad_x2, grad_w2 = _chunks(
+            x, weight, target, token_weight, teacher_logits, ce_weight, kl_weight, max_rank, chunk_rows, grads=True,
+            want_argmax=want_argmax, x2=x2, weight2=weight2)
+        ctx.save_for_backward(grad_x, grad_w.to(weight.dtype) if grad_w is not None else None, grad_x2,
+                              grad_w2.to(weight2.dtype) if grad_w2 is not None else None)
         ctx.mark_non_differentiable(ce, kl, hits, argmax)
         return loss, ce, kl, hits, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grad_x, grad_w = ctx.saved_tensors
-        grad_x = grad_x * grad_loss.to(grad_x.dtype) if grad_x is not None else None
-        grad_w = grad_w * grad_loss.to(grad_w.dtype) if grad_w is not None else None
-        return grad_x, grad_w, None, None, None, None, None, None, None, None
+        grads = [g * grad_loss.to(g.dtype) if g is not None else None for g in ctx.saved_tensors]
+        grad_x, grad_w, grad_x2, grad_w2 = grads
+        return grad_x, grad_w, None, None, None, None, None, None, None, None, grad_x2, grad_w2
 
 
 def linear_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
                 teacher_logits: torch.Tensor | None = None, ce_weight: float = 1.0, kl_weight: float = 0.0,
-                max_rank: int = 1, chunk_rows: int | None = None, argmax: bool = False) -> LinearLossOut:
+                max_rank: int = 1, chunk_rows: int | None = None, argmax: bool = False,
+                extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> LinearLossOut:
     """Σ w·(ce_weight·CE + kl_weight·KL) of logits x @ weight^T, chunked (see the module doc).
 
     x (N, H); weight (V, H); target (N,) token ids (always needed: accuracy is counted against them);
     token_weight (N,); teacher_logits (N, V) (needed when kl_weight > 0; never gets a gradient). Rows may be views
     into larger tensors: nothing of size (N, V) is copied. argmax: also return every row's top prediction (a
-    caller scoring against other targets than `target` needs no second pass over the logits).
+    caller scoring against other targets than `target` needs no second pass over the logits). extra: (x2 (N, r),
+    weight2 (V, r)), a second term added to the logits (module doc).
     """
     N, V = x.shape[0], weight.shape[0]
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -157,12 +174,19 @@ def linear_loss(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, tok
                          f"expected ({N},)")
     if kl_weight and (teacher_logits is None or teacher_logits.shape != (N, V)):
         raise ValueError(f"linear_loss: kl_weight={kl_weight} needs teacher_logits of shape ({N}, {V})")
+    x2, weight2 = extra if extra is not None else (None, None)
+    if extra is not None and (x2.dim() != 2 or weight2.dim() != 2 or x2.shape[0] != N or weight2.shape[0] != V
+                              or x2.shape[1] != weight2.shape[1]):
+        raise ValueError(f"linear_loss: extra x2 {tuple(x2.shape)} and weight2 {tuple(weight2.shape)}: expected "
+                         f"({N}, r), ({V}, r)")
     chunk_rows = chunk_rows or default_chunk_rows(V)
     teacher_logits = teacher_logits.detach() if teacher_logits is not None else None
     args = (x, weight, target, token_weight.detach(), teacher_logits, float(ce_weight), float(kl_weight),
             int(max_rank), int(chunk_rows))
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        loss, ce, kl, hits, top = _LinearLoss.apply(*args, bool(argmax))
+    trains = [t.requires_grad for t in (x, weight, x2, weight2) if t is not None]
+    if torch.is_grad_enabled() and any(trains):
+        loss, ce, kl, hits, top = _LinearLoss.apply(*args, bool(argmax), x2, weight2)
     else:
-        loss, ce, kl, hits, _, _, top = _chunks(*args, grads=False, want_argmax=bool(argmax))
+        loss, ce, kl, hits, _, _, top, _, _ = _chunks(*args, grads=False, want_argmax=bool(argmax), x2=x2,
+                                                      weight2=weight2)
     return LinearLossOut(loss=loss, ce=ce, kl=kl, hits=hits, argmax=top if argmax else None)

@@ -22,6 +22,8 @@
 # (label b5v2048; dflash.draft_vocab_size, as EAGLE-3's config has): the config's drafters read the verifier's head.
 # DFLASH_EXTRA_LOSSES="5:dpace" also trains DFlash at block 5 with the D-PACE loss (label b5dpace; dflash.loss=dpace,
 # weights from the drafter's own confidence) beside the config's cross-entropy with fixed decay (ce, or kl).
+# DFLASH_EXTRA_DSPARK="5:64" also trains DSpark at block 5 with a Markov head of rank 64 (label b5m64;
+# dflash.markov_rank, with its confidence head) beside DFlash at that block, and the goal lines compare the two.
 #
 # DFLASH_SEED=N trains every drafter with --train.seed=N (default 0): the rows' order, the initial weights and DFlash's
 # anchors change, the rows and the held-out set do not; a second seed in another DFLASH_DIR measures how far one
@@ -59,6 +61,11 @@ EXTRA_LOSSES=${DFLASH_EXTRA_LOSSES:-}
 for pair in $EXTRA_LOSSES; do
   [[ $pair =~ ^[0-9]+:(ce|kl|dpace)$ ]] || { echo "DFLASH_EXTRA_LOSSES: '$pair': expected BLOCK:LOSS pairs (LOSS one" \
     "of ce, kl, dpace) separated by spaces, e.g. '5:dpace'" >&2; exit 2; }
+done
+EXTRA_DSPARK=${DFLASH_EXTRA_DSPARK:-}
+for pair in $EXTRA_DSPARK; do
+  [[ $pair =~ ^[0-9]+:[1-9][0-9]*$ ]] || { echo "DFLASH_EXTRA_DSPARK: '$pair': expected BLOCK:RANK pairs of" \
+    "integers (a Markov rank of 1 or more) separated by spaces, e.g. '5:64'" >&2; exit 2; }
 done
 # Rows made by an earlier run in this folder are reused only if they are the rows asked for: a folder whose
 # selfdistill.jsonl holds another number of functions would train every drafter on other data than the one named.
@@ -143,6 +150,7 @@ done
 extra a num_anchors "$EXTRA_ANCHORS"
 extra v draft_vocab_size "$EXTRA_VOCAB"
 extra "" loss "$EXTRA_LOSSES"
+extra m markov_rank "$EXTRA_DSPARK"
 # every label checked: nothing has started training yet if one of them was refused
 for ((i = 0; i < ${#QUEUE[@]}; i += 3)); do
   label=${QUEUE[i]}
@@ -197,4 +205,13 @@ if eagle and peagle:
             tau_ok, speed_ok = row["tau"] >= eagle["tau"], row["tokens_per_s"] >= peagle["tokens_per_s"]
             print(f"- {label}: tau {row['tau']:.2f} {'met' if tau_ok else 'MISSED'}, tokens/s "
                   f"{row['tokens_per_s']:.1f} {'met' if speed_ok else 'MISSED'}")
+# issue 46's goal: DSpark (dflash-b<B>m<R>) against DFlash at the same block (dflash-b<B>), tau and tokens/s
+import re
+for label, row in res["summary"].items():
+    found = re.fullmatch(r"dflash-b(\d+)m(\d+)", label)
+    base = found and res["summary"].get(f"dflash-b{found[1]}")
+    if base:
+        print(f"- DSpark {label} against dflash-b{found[1]}: tau {row['tau']:.2f} vs {base['tau']:.2f} "
+              f"({'met' if row['tau'] >= base['tau'] else 'MISSED'}), tokens/s {row['tokens_per_s']:.1f} vs "
+              f"{base['tokens_per_s']:.1f} ({'met' if row['tokens_per_s'] >= base['tokens_per_s'] else 'MISSED'})")
 EOF

@@ -8,7 +8,9 @@
 
 The run folder (`output_dir`) gets config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (a rerun of the
 same command continues from the newest) and drafter/, z-lab's layout that vLLM (`method: dflash`) and SGLang
-(`--speculative-algorithm DFLASH`) load (`engine: speculators` writes the speculators format instead).
+(`--speculative-algorithm DFLASH`) load (`engine: speculators` writes the speculators format instead). DSpark:
+`--dflash.markov_rank=R` adds the Markov and confidence heads (models/dflash/dspark.py) and exports vLLM's
+Qwen3DSparkModel (`method: dspark`).
 
 In order (the drafter, its anchored blocks and loss live in models/dflash/):
   1. the frozen verifier and its tokenizer; fixed-length token rows of the training and held-out data;
@@ -110,7 +112,9 @@ def main(cfg: DFlashRunConfig) -> dict:
     say(f"[dflash] {n_params / 1e6:.2f}M trainable parameters, {dc.num_hidden_layers} layers, block {dc.block_size}, "
         f"target layers {dc.target_layer_ids}, mask token {dc.mask_token_id}, loss "
         f"{f'dpace alpha {dc.loss_alpha:g}' if dc.loss == 'dpace' else f'{dc.loss} gamma {dc.loss_gamma:g}'} "
-        f"({cfg.features} features)")
+        f"({cfg.features} features)"
+        + (f"; DSpark: Markov head of rank {dc.markov_rank}"
+           f"{', confidence head' if dc.has_confidence_head else ''}" if dc.dspark else ""))
 
     model = DFlashTrainModule(drafter)
     optimizer = build_optimizer(model, cfg)

@@ -20,6 +20,11 @@ keys/values go into slots L..L+K. The final norm and the verifier's lm_head at t
 top-p applied); none reads another's draw, so that distribution is exactly the one the lossless chain rule needs.
 The verifier checks them as a chain, plus the bonus token.
 
+DSpark (a drafter with a Markov head, `dflash.markov_rank`): the same forward, then the drafts are taken left to
+right, draft j's logits biased by the Markov head from draft j-1 (the root for j = 1), as vLLM's DSparkSpeculator
+samples them; at T > 0 each draw's distribution is the biased one given the drafts before it, which is what the
+chain rule verifies against.
+
 K. `block_size` - 1 by default, the block the drafter was trained on; `num_draft_tokens=K` drafts another K (as
 vLLM does with num_speculative_tokens = K: a block of K + 1). The first token: with the decoder's
 first_token="prefill" (vLLM's convention, and the reference's) the whole prompt is context and the block starts
@@ -119,12 +124,30 @@ class DFlashBlockDrafter(Drafter):
                                                 masks[self.sliding[l]][:, None])
 
         hidden = m.block(m.embed(ids), pos, attend)  # (B, K+1, H), final-normed
+        if self.cfg.dspark:  # left to right through the Markov head
+            return self._markov_draft(hidden[:, 1:], state.roots(), sampling, dev)
         logits = m.logits(hidden[:, 1:])  # (B, K, V): draft j from mask position j
         if sampling.greedy:
             return Draft(logits.argmax(-1), self.tree)
         probs = probs_from_logits(logits, sampling.temperature, sampling.top_p)  # (B, K, V)
         tokens = (probs / exponential_noise(probs.shape, sampling.generator, dev)).argmax(-1)
         return Draft(tokens, self.tree, probs)
+
+
+    def _markov_draft(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: Sampling, dev) -> Draft:
+        """DSpark's drafts: draft j from its Markov-biased logits given draft j-1 (`DFlashDrafter.draft_block`)."""
+        if sampling.greedy:
+            tokens, _ = self.model.draft_block(hidden, roots, lambda logits, k: logits.argmax(-1))
+            return Draft(tokens, self.tree)
+        probs = []
+
+        def draw(logits, k):  # (B, V) -> (B,): a draw from the biased distribution at this position
+            p = probs_from_logits(logits, sampling.temperature, sampling.top_p)
+            probs.append(p)
+            return (p / exponential_noise(p.shape, sampling.generator, dev)).argmax(-1)
+
+        tokens, _ = self.model.draft_block(hidden, roots, draw)
+        return Draft(tokens, self.tree, torch.stack(probs, 1))
 
 
 def make_dflash(verifier, draft, num_draft_tokens: int | None = None) -> DFlashBlockDrafter:

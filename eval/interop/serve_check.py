@@ -209,6 +209,10 @@ def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
         config, tensors = read_drafter(folder)
     except DrafterFormatError as err:
         return Subject("dflash", "unknown", unjudged=str(err))
+    from draftheads.eval.interop.vllm_reading import is_dspark
+
+    if is_dspark(config):
+        return Subject("dspark", "dspark", not_here=DSPARK_NOT_HERE)
     served = dflash_reading(config, tensors, verifier)
     subject_not_here = mixed_layers_not_here(served.layer_types)
     block = config.get("draftheads") or {}
@@ -261,6 +265,12 @@ def unreadable_weights(folder: Path) -> str | None:
         except Exception as err:  # safetensors raises its own error types for a bad header or a short file
             return f"{path}: unreadable safetensors file ({err})"
     return None
+
+
+DSPARK_NOT_HERE = ("a DSpark drafter (Markov head): vLLM serves method dspark only with its V2 GPU model runner, which "
+                   "vLLM's CPU build cannot run (no Triton CPU backend), and serve-check does not serve it on a GPU "
+                   "yet; tests/e2e/interop/test_vllm_dspark.py runs vLLM's own Qwen3DSparkModel class on such an "
+                   "export instead")
 
 
 def mixed_layers_not_here(layer_types: list[str]) -> str | None:

@@ -102,6 +102,24 @@ class SpeculatorsDFlashLogits:
     kind: str = "speculators_dflash_logits"
 
 
+@dataclass
+class VllmDSparkForward:
+    """vLLM's own Qwen3DSparkForCausalLM constructed on a DSpark folder, loaded through its load_weights and run
+    forward on one block (eval/interop/vllm_dspark.py)."""
+
+    name: str
+    verifier: str
+    drafter: str
+    k: int
+    target_hidden: list[list[float]]
+    """(n, L*H) the verifier's target-layer outputs at positions 0..n-1, concatenated in layer order."""
+    block_ids: list[int]
+    """(N,) [anchor, mask x (N-1)], the anchor at position n."""
+    prev: list[int]
+    """(N-1,) the token before each drafted position (the Markov head's input)."""
+    kind: str = "vllm_dspark_forward"
+
+
 def run_vllm(cases: list, timeout: float = 1800) -> dict:
     """Run the cases in one vLLM process; returns the runner's result ({"vllm": version, "cases": [...]}), one
     entry per case in order (a case vLLM refused has ok False and vLLM's error)."""

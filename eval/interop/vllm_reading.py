@@ -437,7 +437,13 @@ def require_keys_like(weights: dict[str, torch.Tensor], expected: dict[str, torc
 def is_dflash(config: dict) -> bool:
     arch = " ".join(config.get("architectures") or [])
     return ("DFlash" in arch or config.get("speculators_model_type") == "dflash"
-            or isinstance(config.get("dflash_config"), dict))
+            or isinstance(config.get("dflash_config"), dict) or is_dspark(config))
+
+
+def is_dspark(config: dict) -> bool:
+    """A DSpark folder (a DFlash drafter with a Markov head): vLLM's Qwen3DSparkModel or speculators' dspark."""
+    arch = " ".join(config.get("architectures") or [])
+    return "DSpark" in arch or config.get("speculators_model_type") == "dspark"
 
 
 def dflash_pretrained(config: dict) -> dict:

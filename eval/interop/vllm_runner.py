@@ -131,8 +131,14 @@ def speculators_logits(case: dict) -> dict:
     result = {"name": case["name"], "ok": False}
     try:
         model = SpeculatorModel.from_pretrained(case["drafter"]).eval().float()
-        seen = []
+        seen, heads = [], {}
         model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+        for key, name in (("markov_bias", "markov_head.markov_w2"), ("confidence", "confidence_head")):
+            try:  # a DSpark folder: its Markov bias and confidence logits, as its own heads compute them
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue
+            module.register_forward_hook(lambda module, args, out, key=key: heads.setdefault(key, out.detach()))
         ids = torch.tensor([case["input_ids"]])
         hidden = torch.tensor([case["hidden_states"]], dtype=torch.float32)
         with torch.no_grad():
@@ -148,9 +154,10 @@ def speculators_dflash_logits(case: dict) -> dict:
     """The speculators library's own reading of a speculators-format DFlash folder: `SpeculatorModel.from_pretrained`
     (the verifier's embedding and lm_head loaded from the folder's verifier path, as it does), then its training
     forward over one row whose loss mask holds only the given anchors, so its anchor sampling draws exactly those
-    blocks; the logits are read at its lm_head (a forward hook). Two switches a CPU needs, the same its trainer takes
-    as flags: sdpa attention (its default builds a compiled flex-attention block mask) and the eager loss (its
-    default is a Triton kernel)."""
+    blocks; the logits are read at its lm_head (a forward hook), and for a DSpark folder its Markov head's bias and
+    its confidence head's logits too (hooks on markov_head.markov_w2 and confidence_head). Two switches a CPU needs,
+    the same its trainer takes as flags: sdpa attention (its default builds a compiled flex-attention block mask)
+    and the eager loss (its default is a Triton kernel)."""
     import torch
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
@@ -159,8 +166,14 @@ def speculators_dflash_logits(case: dict) -> dict:
         config = SpeculatorModelConfig.from_pretrained(case["drafter"])
         config.transformer_layer_config._attn_implementation = "sdpa"  # --draft-attn-impl sdpa
         model = SpeculatorModel.from_pretrained(case["drafter"], config=config).eval().float()
-        seen = []
+        seen, heads = [], {}
         model.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+        for key, name in (("markov_bias", "markov_head.markov_w2"), ("confidence", "confidence_head")):
+            try:  # a DSpark folder: its Markov bias and confidence logits, as its own heads compute them
+                module = model.get_submodule(name)
+            except AttributeError:
+                continue
+            module.register_forward_hook(lambda module, args, out, key=key: heads.setdefault(key, out.detach()))
         ids = torch.tensor([case["input_ids"]])
         hidden = torch.tensor([case["hidden_states"]], dtype=torch.float32)
         loss_mask = torch.zeros_like(ids)
@@ -176,10 +189,26 @@ def speculators_dflash_logits(case: dict) -> dict:
             raise ValueError(f"{logits.shape[0]} block positions for {len(case['anchors'])} anchors of block "
                              f"{model.block_size}: anchors must be distinct and < T - block_size")
         result.update(ok=True, model_class=type(model).__name__, block_size=model.block_size, logits=logits.tolist())
+        if "markov_bias" in heads:
+            result["markov_bias"] = heads["markov_bias"].reshape(logits.shape[0], -1).tolist()
+        if "confidence" in heads:
+            result["confidence_logits"] = heads["confidence"].reshape(-1).tolist()
     except Exception as err:
         result["error"] = f"{type(err).__name__}: {err}"
         result["traceback"] = traceback.format_exc()[-3000:]
     return result
+
+
+def _dspark_forward(case: dict) -> dict:
+    """vLLM's Qwen3DSparkModel class on a DSpark folder (eval/interop/vllm_dspark.py, loaded by path: this file
+    runs as a script in vLLM's environment)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_vllm_dspark", os.path.join(os.path.dirname(__file__),
+                                                                               "vllm_dspark.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dspark_forward(case)
 
 
 def main(argv: list[str]) -> int:
@@ -192,7 +221,8 @@ def main(argv: list[str]) -> int:
         job = json.load(f)
     import vllm
 
-    run = {"speculators_logits": speculators_logits, "speculators_dflash_logits": speculators_dflash_logits}
+    run = {"speculators_logits": speculators_logits, "speculators_dflash_logits": speculators_dflash_logits,
+           "vllm_dspark_forward": _dspark_forward}
     results = {"vllm": vllm.__version__,
                "cases": [run.get(case.get("kind"), run_case)(case) for case in job["cases"]]}
     tmp = argv[1] + ".tmp"

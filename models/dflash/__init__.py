@@ -20,6 +20,11 @@ x_{a+k} (or the verifier's greedy token there) with cross-entropy (loss: kl, KL 
 weighted exp(-(k-1)/gamma), gamma = 7 for N = 16, 4 for N = 8 (1 + 3N/8 in general), or (loss: dpace) with
 cross-entropy weighted by D-PACE's weights, from the drafter's own confidence in each position's target.
 
+DSpark (`markov_rank`, models/dflash/dspark.py): a Markov head adds to block position k's logits a low-rank
+transition bias from the token before it, so the block is drafted left to right, and a confidence head estimates
+each draft's acceptance probability; both trained with the backbone (teacher-forced previous tokens; the confidence
+head on the drafter/verifier overlap). Exported as vLLM's Qwen3DSparkModel.
+
 Parameter names and `forward` follow z-lab's `DFlashDraftModel` (`dflash` 0.1.0), so weights move between the two
 unchanged; the engine API is in drafter.py's docstring. Export / load: models/export.py.
 """
@@ -48,5 +53,7 @@ from draftheads.models.dflash.drafter import (  # noqa: F401
     build_drafter,
     zero_mask_warning,
 )
-from draftheads.models.dflash.losses import dflash_loss, dpace_loss, dpace_weights, position_weights  # noqa: F401
+from draftheads.models.dflash.dspark import ConfidenceHead, MarkovHead, markov_chain  # noqa: F401
+from draftheads.models.dflash.losses import (confidence_loss, dflash_loss, dpace_loss, dpace_weights,  # noqa: F401
+                                             position_weights, token_overlap)
 from draftheads.models.dflash.train import DFlashTrainModule  # noqa: F401

@@ -101,6 +101,20 @@ class DFlashConfig:
     A number: the drafter has its own lm_head, trained, over that many tokens (the most frequent in the training
     data, as EAGLE-3's draft vocabulary; the verifier's vocabulary size: all of them), started from the verifier's
     rows; the export carries it and the d2t map, which vLLM reads (`has_own_lm_head`, `draft_vocab_size`)."""
+    markov_rank: int | None = None
+    """DSpark: the rank r of the Markov head, a low-rank transition bias W2 W1[x] (V x r, r x V) from the previous
+    block token x added to each block position's logits, drafted left to right (vLLM's qwen3_dspark); null: plain
+    DFlash. The export is then vLLM's Qwen3DSparkModel (method dspark)."""
+    confidence_head: bool | None = None
+    """DSpark: a confidence head, a linear map of [hidden; Markov embedding] to each drafted token's acceptance
+    probability, trained on the drafter/verifier overlap sum_v min(q_v, p_v) (vLLM's adaptive verification reads
+    it); null: on with markov_rank, off without."""
+    confidence_with_markov: bool = True
+    """DSpark: the confidence head reads the Markov embedding of the previous token beside the hidden state (vLLM's
+    confidence_head_with_markov); false: the hidden state only."""
+    confidence_weight: float = 1.0
+    """Training, DSpark: the confidence head's loss (binary cross-entropy against the overlap, weighted
+    exp(-(k-1)/gamma) over block positions) is added to the token loss times this."""
     hidden_size: int | None = None
     """Drafter width; null: the verifier's (it must be)."""
     intermediate_size: int | None = None
@@ -139,7 +153,8 @@ class DFlashConfig:
             raise DFlashError(f"dflash.block_size={self.block_size}: expected at least 2 (the anchor and one "
                               "mask position)")
         for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                    "max_position_embeddings", "num_target_layers", "vocab_size", "sliding_window", "draft_vocab_size"):
+                    "max_position_embeddings", "num_target_layers", "vocab_size", "sliding_window", "draft_vocab_size",
+                    "markov_rank"):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise DFlashError(f"dflash.{key}={value}: expected a positive integer or null")
@@ -154,6 +169,11 @@ class DFlashConfig:
         for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl", "dpace"))):
             if getattr(self, key) not in allowed:
                 raise DFlashError(f"dflash.{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")
+        if self.confidence_head and self.markov_rank is None:
+            raise DFlashError("dflash.confidence_head=true needs dflash.markov_rank (the confidence head belongs to "
+                              "a DSpark drafter: vLLM builds it only beside the Markov head)")
+        if not (isinstance(self.confidence_weight, (int, float)) and self.confidence_weight >= 0):
+            raise DFlashError(f"dflash.confidence_weight={self.confidence_weight}: expected a number >= 0")
         if self.dpace_alpha is not None and not 0 < self.dpace_alpha <= 1:
             raise DFlashError(f"dflash.dpace_alpha={self.dpace_alpha}: expected a number in (0, 1] (the confidence "
                               "smoothing of loss dpace)")
@@ -209,6 +229,16 @@ class DFlashConfig:
     def loss_alpha(self) -> float:
         """D-PACE's smoothing in effect: `dpace_alpha`, else 0.5."""
         return float(self.dpace_alpha) if self.dpace_alpha is not None else 0.5
+
+    @property
+    def dspark(self) -> bool:
+        """A DSpark drafter: a DFlash drafter with a Markov head (`markov_rank`)."""
+        return self.markov_rank is not None
+
+    @property
+    def has_confidence_head(self) -> bool:
+        """The confidence head in effect: `confidence_head`, else on exactly for DSpark."""
+        return self.dspark if self.confidence_head is None else bool(self.confidence_head)
 
     @property
     def resolved(self) -> bool:

@@ -6,7 +6,9 @@ Parameters: layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.self_attn.{q,
 layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.{input,post_attention}_layernorm.weight, norm.weight,
 fc.weight [H, n*H], hidden_norm.weight. No embedding and no lm_head: the verifier's are read (frozen, shared).
 With `draft_vocab_size` set (not the reference's), the drafter also has its own lm_head.weight [Vd, H], trained, and
-the buffers d2t [Vd] (target id - draft id) and t2d [V] (bool) of EAGLE-3's draft vocabulary.
+the buffers d2t [Vd] (target id - draft id) and t2d [V] (bool) of EAGLE-3's draft vocabulary. DSpark
+(`markov_rank` r): markov_head.markov_w1.weight [V, r], markov_head.markov_w2.weight [Vd, r], and with the
+confidence head confidence_head.proj.weight [1, H (+ r)], confidence_head.proj.bias [1] (models/dflash/dspark.py).
 
 API for the spec-decode engine (shapes: B rows, n context tokens, N = block_size, H hidden, L = len(target layers)):
 
@@ -27,6 +29,10 @@ API for the spec-decode engine (shapes: B rows, n context tokens, N = block_size
       full_attention layers; `drafter.attention_mask` builds that mask for a cache of slots = positions).
   drafter.logits(hidden) -> (B, N, V): the verifier's lm_head, or the drafter's own over its draft vocabulary
       spread into the verifier's (-inf at tokens outside it); block position j >= 1 proposes the token at p_b + j.
+  drafter.draft_block(hidden (B, K, H), root (B,), pick) -> (tokens (B, K), logits (B, K, V))
+      The drafts of block positions 1..K: argmax/draw per position from drafter.logits, or for DSpark left to right
+      with the Markov bias of the previous token (root first); pick(logits (B, V), k) -> (B,) ids.
+  drafter.confidence(hidden (..., H), prev_ids (...,)) -> (...,) DSpark's acceptance probability of each draft.
   drafter.attention_mask(context_lengths (B,), num_slots, position_ids (B, N)) -> (B, 1, N, num_slots + N) bool
       For keys laid out [cache slots 0..num_slots-1 | block]: slot s visible iff s < context_lengths[b] (and
       within the window, causal, for sliding layers: pass layer_idx).
@@ -57,7 +63,8 @@ from draftheads.models.dflash.blocks import (anchored_block_mask, anchored_conte
                                              block_targets, own_block_mask, sample_anchors)
 from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWarning
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
-from draftheads.models.dflash.losses import dflash_loss, dpace_loss
+from draftheads.models.dflash.dspark import ConfidenceHead, MarkovHead, markov_chain
+from draftheads.models.dflash.losses import confidence_loss, dflash_loss, dpace_loss, token_overlap
 from draftheads.models.placed import Placed
 from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
@@ -137,6 +144,12 @@ class DFlashDrafter(Placed, nn.Module):
             # there (its drafter then has no draft_id_to_target_id to load it into).
             self.register_buffer("d2t", d2t.clone(), persistent=Vd < V)
             self.register_buffer("t2d", t2d.clone(), persistent=Vd < V)
+        if cfg.dspark:  # DSpark: the Markov head (and the confidence head), vLLM's names
+            r = cfg.markov_rank
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.draft_vocab_size or cfg.vocab_size, r)
+            if cfg.has_confidence_head:
+                self.confidence_head = ConfidenceHead(H + (r if cfg.confidence_with_markov else 0),
+                                                      cfg.confidence_with_markov)
         self._held = _Held(embed_tokens=None, lm_head=None)
         if verifier is not None:
             self.attach(verifier)
@@ -209,6 +222,38 @@ class DFlashDrafter(Placed, nn.Module):
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., Vd): the drafter's own lm_head (own lm_head only)."""
         return self.lm_head(hidden.to(self.lm_head.weight.dtype))
+
+    def _base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., Vd): logits in the drafter's own vocabulary (the verifier's when it shares its head)."""
+        if self.own_lm_head:
+            return self.draft_logits(hidden)
+        lm_head = self._need_verifier().lm_head
+        return lm_head(hidden.to(lm_head.weight.dtype))
+
+    def _spread(self, draft: torch.Tensor) -> torch.Tensor:
+        """(..., Vd) -> (..., V): a draft vocabulary's logits at its tokens' verifier ids, -inf elsewhere."""
+        if not self.own_lm_head:
+            return draft
+        out = draft.new_full((*draft.shape[:-1], self.cfg.vocab_size), float("-inf"))
+        return out.index_copy(-1, self.draft_token_ids(), draft)
+
+    def draft_block(self, hidden: torch.Tensor, root: torch.Tensor,
+                    pick) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts of block positions 1..K from their final-normed hidden (B, K, H): pick(logits (B, V), k) -> (B,)
+        verifier ids. DFlash: every position from its own logits; DSpark: left to right, position k's logits biased
+        by the Markov head from the token before it (root (B,) the anchor, then the previous draft). Returns
+        (tokens (B, K), logits (B, K, V): the distributions the drafts came from)."""
+        if not self.cfg.dspark:
+            logits = self.logits(hidden)
+            return torch.stack([pick(logits[:, k], k) for k in range(logits.shape[1])], 1), logits
+        tokens, logits, _ = markov_chain(self._base_logits(hidden), root, self.markov_head, pick, self._spread)
+        return tokens, logits
+
+    def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """DSpark's confidence head: (..., H), the previous tokens (...,) -> (...,) acceptance probabilities."""
+        if not hasattr(self, "confidence_head"):
+            raise DFlashError("this drafter has no confidence head (dflash.confidence_head)")
+        return torch.sigmoid(self.confidence_head(hidden, self.markov_head.embed(prev_ids)))
 
     # ---- the computation -----------------------------------------------------------------------------------------
     def project(self, target_hidden: torch.Tensor) -> torch.Tensor:
@@ -369,6 +414,7 @@ class DFlashDrafter(Placed, nn.Module):
         index = index.clamp(max=T - 1)  # past the row: not trained (block_targets), scored at the last position
         greedy_targets = self._greedy_tokens(features, index.view(B, -1)).view_as(index)
         targets = data_targets if cfg.targets == "data" else greedy_targets
+        verifier_ids = targets  # (B, A, N-1) verifier ids, before an own lm_head maps them to draft ids
         teacher = (lambda k: self._teacher_at(features, anchors, k)) if cfg.loss == "kl" else None
         lm_weight, trained_here = self._need_verifier().lm_head.weight, trained
         if self.own_lm_head:  # targets as draft ids; one outside the draft vocabulary is not trained (EAGLE-3's
@@ -379,16 +425,42 @@ class DFlashDrafter(Placed, nn.Module):
             if teacher is not None:  # the verifier's distribution over the draft vocabulary's columns
                 columns = self.draft_token_ids()
                 teacher = (lambda k: self._teacher_at(features, anchors, k)[..., columns])
+        markov = embed = None
+        if cfg.dspark:  # teacher-forced previous token: the anchor, then the targets before each position
+            anchor_ids = input_ids.gather(1, anchors.clamp(max=T - 1))  # (B, A)
+            prev = torch.cat([anchor_ids[:, :, None], verifier_ids[:, :, :-1]], -1)  # (B, A, N-1)
+            embed = self.markov_head.embed(prev)  # (B, A, N-1, r)
+            markov = (embed, self.markov_head.markov_w2.weight)
         if cfg.loss == "dpace":  # an out-of-vocabulary target stays on the acceptance chain: confidence 0 there
-            loss, step_losses, drafted = dpace_loss(hidden, lm_weight, targets, trained_here, cfg.loss_alpha, trained)
+            loss, step_losses, drafted = dpace_loss(hidden, lm_weight, targets, trained_here, cfg.loss_alpha, trained,
+                                                    markov=markov)
         else:
             loss, step_losses, drafted = dflash_loss(hidden, lm_weight, targets, trained_here, cfg.loss_gamma,
-                                                     teacher)
+                                                     teacher, markov=markov)
+        if cfg.dspark and cfg.has_confidence_head:
+            loss = loss + cfg.confidence_weight * self._confidence_loss(hidden, embed, lm_weight, features, anchors,
+                                                                        trained)
         with torch.no_grad():  # the loss's own argmaxes: a draft id with an own lm_head, its verifier id here
             drafted = self.draft_token_ids()[drafted] if self.own_lm_head else drafted
             correct = (drafted == greedy_targets).permute(2, 0, 1)  # (N-1, B, A)
             counts = step_counts(correct, trained.permute(2, 0, 1))  # scored where loss_mask is 1
         return EagleOutput(loss=loss, step_losses=step_losses, counts=counts)
+
+    def _confidence_loss(self, hidden: torch.Tensor, embed: torch.Tensor, lm_weight: torch.Tensor, features,
+                         anchors: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+        """DSpark's confidence head against the overlap of the drafter's (Markov-biased) distribution with the
+        verifier's at each block position (`token_overlap`, no gradient), BCE weighted as the token loss
+        (`confidence_loss`). hidden (B, A, K, H), embed (B, A, K, r)."""
+        B, A, K, H = hidden.shape
+        columns = self.draft_token_ids() if self.own_lm_head else None
+        w2 = self.markov_head.markov_w2.weight.detach()
+        target = torch.stack([
+            token_overlap(hidden[:, :, k].reshape(-1, H).detach().to(lm_weight.dtype), lm_weight.detach(),
+                          self._teacher_at(features, anchors, k).reshape(B * A, -1),
+                          (embed[:, :, k].reshape(B * A, -1).detach(), w2), columns).view(B, A)
+            for k in range(K)], -1)  # (B, A, K)
+        logits = self.confidence_head(hidden, embed)  # (B, A, K)
+        return confidence_loss(logits, target, trained, self.cfg.loss_gamma)
 
     @torch.no_grad()
     def _greedy_tokens(self, features, index: torch.Tensor) -> torch.Tensor:

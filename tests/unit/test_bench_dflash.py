@@ -1,6 +1,6 @@
 """scripts/bench_dflash.sh refuses a malformed DFLASH_EXTRA_WINDOWS, DFLASH_EXTRA_LAYERS, DFLASH_EXTRA_ANCHORS,
-DFLASH_EXTRA_VOCAB, DFLASH_EXTRA_LOSSES, DFLASH_DATA_PROMPTS, DFLASH_SEED or DFLASH_SAVE_EVERY, and a folder whose rows
-are not the number asked for, in one line, before it sets anything up or trains anything."""
+DFLASH_EXTRA_VOCAB, DFLASH_EXTRA_LOSSES, DFLASH_EXTRA_DSPARK, DFLASH_DATA_PROMPTS, DFLASH_SEED or DFLASH_SAVE_EVERY,
+and a folder whose rows are not the number asked for, in one line, before it sets anything up or trains anything."""
 
 import os
 import subprocess
@@ -36,6 +36,8 @@ PAIRS = {
                            [("5:2048 8", "8"), ("5:0", "5:0"), ("5-2048", "5-2048"), ("5:v2048", "5:v2048")]),
     "DFLASH_EXTRA_LOSSES": ("BLOCK:LOSS pairs (LOSS one of ce, kl, dpace)", "'5:dpace'",
                             [("5:dpace 8", "8"), ("5:pace", "5:pace"), ("5-dpace", "5-dpace"), ("b5:ce", "b5:ce")]),
+    "DFLASH_EXTRA_DSPARK": ("BLOCK:RANK pairs of integers (a Markov rank of 1 or more)", "'5:64'",
+                            [("5:64 8", "8"), ("5:0", "5:0"), ("5-64", "5-64"), ("5:m64", "5:m64")]),
 }
 
 
