@@ -37,6 +37,7 @@ from draftheads.models.export import export_mtp
 from draftheads.models.layouts.mtp_checkpoint import FAMILIES, MtpCheckpointError, read_mtp_layer
 from draftheads.models.mtp import MtpConfig, MtpDrafter, MtpError
 from draftheads.models.mtp.drafter import shift_left
+from draftheads.models.verifier import resolve_verifier
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, RunConfig
 from draftheads.train.features import batch_tokens, feature_source
@@ -95,12 +96,15 @@ def main(cfg: MtpRunConfig) -> dict:
     accelerator = build_accelerator(cfg)
     say = (lambda message: None) if quiet() else accelerator.print
 
+    try:  # the checkpoint's own MTP layer, before the verifier (a large model) is loaded
+        weights = read_mtp_layer(resolve_verifier(cfg.verifier))
+    except MtpCheckpointError as err:
+        raise ConfigError(str(err)) from None
     verifier, tokenizer = load_verifier(cfg, accelerator.device, accelerator)
-    try:  # the checkpoint's own MTP layer, before any data is read
-        weights = read_mtp_layer(verifier.path)
+    try:
         drafter = MtpDrafter(verifier, weights, cfg.mtp)
-    except (MtpCheckpointError, MtpError) as err:
-        raise ConfigError(f"verifier={cfg.verifier!r}: {err}") from None
+    except MtpError as err:
+        raise ConfigError(str(err)) from None
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
     start_tracking(accelerator, cfg)
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "

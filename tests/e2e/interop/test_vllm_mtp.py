@@ -12,8 +12,10 @@ without remote code, it is the one with ordinary attention, which vLLM's CPU att
 remote code in transformers; Qwen3-Next / Qwen3.5's gated delta-net needs Triton kernels). The tiny verifier is
 built like tests/integration/test_mtp_finetune.py's (an MoE layer, partial rotary, its own layers' outputs scaled
 down so a few steps teach the layer something) and its random shipped MTP layer is fine-tuned until it drafts
-right part of the time: mixed accepted counts, so a wrong position, a missing zeroed embedding at position 0, a
-norm left out or a hidden state read from the wrong place changes them.
+right part of the time: mixed accepted counts, so a layer wired or read differently changes them (feeding the next
+draft the normed output instead of the raw one fails this test). Not distinguished here: vLLM's zeroed token
+embedding at position 0 (our layer zeroes it too, as vLLM's code does; leaving it out changes no draft of these
+prompts).
 """
 
 from __future__ import annotations
