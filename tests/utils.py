@@ -309,6 +309,7 @@ MTP_GLM = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidde
                num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
                num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
                max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
+MTP_RECIPES = {"glm4_moe": MTP_GLM}
 
 
 def save_tiny_mtp_checkpoint(folder: str | Path, family: str = "glm4_moe", seed: int = 0, mtp: bool = True,
@@ -323,10 +324,10 @@ def save_tiny_mtp_checkpoint(folder: str | Path, family: str = "glm4_moe", seed:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if family != "glm4_moe":
+    if family not in MTP_RECIPES:
         raise ValueError(f"save_tiny_mtp_checkpoint: no tiny recipe for {family!r}")
     folder = Path(folder)
-    fields = {**MTP_GLM, **overrides}
+    fields = {**MTP_RECIPES[family], **overrides}
     if tokenizer:
         from tests.chat_tokenizers import plain_tokenizer
 

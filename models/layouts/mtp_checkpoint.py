@@ -3,7 +3,7 @@
     weights = read_mtp_layer(folder)                        # MtpWeights: the family, the layer index, its tensors
     write_mtp_checkpoint(folder, out, tensors, metadata)    # the same checkpoint with new MTP tensors, in `out`
 
-The families (FAMILIES) ship their MTP layer the DeepSeek-V3 way, inside the checkpoint as one more decoder layer:
+The families (FAMILIES; GLM-4.5 / 4.6 / 4.7, glm4_moe) ship their MTP layer the DeepSeek-V3 way, inside the checkpoint as one more decoder layer:
 `model.layers.{L}.*` with L = config.json's num_hidden_layers (which counts the verifier's layers only) and
 `num_nextn_predict_layers` such layers. Besides the ordinary decoder-layer weights (self_attn.*, mlp.*, with MoE
 experts one tensor per expert: `mlp.experts.{e}.{gate,up,down}_proj.weight`, input_layernorm, post_attention_layernorm)
@@ -37,8 +37,10 @@ from pathlib import Path
 
 import torch
 
-#: verifier model_type -> vLLM's speculative method for its shipped MTP layer.
-FAMILIES = {"glm4_moe": "glm4_moe_mtp", "deepseek_v3": "deepseek_mtp"}
+#: verifier model_type -> vLLM's speculative method for its shipped MTP layer: the families proven served exactly
+#: (tests/e2e/interop/test_vllm_mtp.py). DeepSeek-V3 (deepseek_mtp) shares the layout and vLLM's CPU build serves
+#: it, but its plain greedy decoding of a tiny DeepSeek-V3 differs from transformers', so it is not offered yet.
+FAMILIES = {"glm4_moe": "glm4_moe_mtp"}
 #: The MTP-only weights around the decoder block, under the layer's prefix.
 MTP_PARTS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 #: Copies of the verifier's shared weights a layer may carry; read (what vLLM serves), never trained.

@@ -2,7 +2,8 @@
 
 Some verifiers ship one more decoder layer that predicts a second token ahead (DeepSeek-V3, GLM-4.5: their MTP
 layer, stored in the checkpoint beside the model's own layers; the layouts and what vLLM serves from them are in
-models/layouts/mtp_checkpoint.py). vLLM drafts with it (`method: glm4_moe_mtp`, `deepseek_mtp`), reusing the one
+models/layouts/mtp_checkpoint.py). vLLM drafts with it (`method: glm4_moe_mtp`; GLM-4.5 is the family offered),
+reusing the one
 layer for every draft. This package builds that layer from the checkpoint's weights, as the verifier's own decoder
 layer class, and trains it on the verifier's hidden states (`MtpDrafter`, drafter.py); train/mtp.py is the trainer
 and models/layouts/mtp_checkpoint.py writes the fine-tuned layer back under the checkpoint's names.

@@ -92,9 +92,6 @@ class MtpDrafter(nn.Module):
     def _own_copies(self, verifier, weights: MtpWeights) -> None:
         local = weights.local()
         head, embed = local.get("shared_head.head.weight"), local.get("embed_tokens.weight")
-        if weights.model_type == "deepseek_v3" and head is None:
-            raise MtpError(f"{weights.folder}: no {weights.prefix}shared_head.head.weight; vLLM's deepseek_mtp takes "
-                           "the MTP layer's LM head from there")
         vhead = verifier.lm_head.weight.detach().cpu()
         if weights.model_type == "glm4_moe" and head is not None and not torch.equal(head.to(vhead.dtype), vhead):
             raise MtpError(f"{weights.folder}: {weights.prefix}shared_head.head.weight differs from lm_head.weight; "

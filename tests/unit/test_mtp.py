@@ -60,7 +60,7 @@ def test_a_family_without_an_mtp_layer_we_fine_tune_is_one_line(tmp_path):
     with pytest.raises(MtpCheckpointError) as err:
         read_mtp_layer(folder)
     assert str(err.value) == (f"{folder / 'config.json'}: model_type 'llama' has no MTP layer draftheads fine-tunes; "
-                              "expected one of deepseek_v3, glm4_moe (vLLM methods deepseek_mtp, glm4_moe_mtp)")
+                              "expected one of glm4_moe (vLLM methods glm4_moe_mtp)")
 
 
 def test_write_back_refuses_other_names_or_shapes(glm, tmp_path):

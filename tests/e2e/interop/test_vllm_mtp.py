@@ -32,7 +32,7 @@ K, MAX_NEW = 3, 32
 BATCHES = [PROMPTS[:1], PROMPTS]
 
 
-def fine_tuned_checkpoint(root):
+def fine_tuned_checkpoint(root, family: str = "glm4_moe"):
     """(the shipped checkpoint, the fine-tuned one written by export_mtp)."""
     from safetensors.torch import load_file, save_file
 
@@ -41,7 +41,7 @@ def fine_tuned_checkpoint(root):
     from draftheads.models.verifier import Verifier
     from tests.utils import save_tiny_mtp_checkpoint
 
-    shipped = save_tiny_mtp_checkpoint(root / "glm")
+    shipped = save_tiny_mtp_checkpoint(root / family, family)
     tensors = load_file(shipped / "model.safetensors")
     for name in tensors:
         if name.startswith(("model.layers.0.", "model.layers.1.")) and name.endswith(("o_proj.weight",
@@ -59,7 +59,10 @@ def fine_tuned_checkpoint(root):
         opt.zero_grad()
         drafter.train_forward(train, feats.final, torch.ones_like(train), feats.logits.argmax(-1)).loss.backward()
         opt.step()
-    return shipped, export_mtp(drafter.eval(), root / "tuned", verifier)
+    return shipped, export_mtp(drafter.eval(), root / f"{family}-tuned", verifier)
+
+
+FAMILIES = {"glm4_moe": "glm4_moe_mtp"}
 
 
 @pytest.fixture(scope="module")
@@ -68,29 +71,33 @@ def interop(tmp_path_factory, vllm_ready):
     from draftheads.eval.interop.vllm_peer import VllmCase, run_vllm
     from draftheads.models.verifier import Verifier
 
-    shipped, tuned = fine_tuned_checkpoint(tmp_path_factory.mktemp("interop-mtp"))
-    verifier = Verifier.from_pretrained(tuned)  # the fine-tuned checkpoint is the verifier vLLM serves
-    references = {tuple(p): hf_greedy(verifier.model, p, MAX_NEW) for p in PROMPTS}
-    dec = build_decoder(verifier, method="mtp", num_draft_tokens=K, first_token="prefill")
-    ours = [dec.generate(batch, MAX_NEW, eos_token_id=None) for batch in BATCHES]
-    result = run_vllm([VllmCase("glm4_moe-mtp", str(tuned), str(tuned), "glm4_moe_mtp", batches=BATCHES, k=K,
-                                max_tokens=MAX_NEW)])
-    return {"ours": ours, "vllm": result["cases"][0], "references": references}
+    root = tmp_path_factory.mktemp("interop-mtp")
+    cases, ours, references = [], {}, {}
+    for family, method in FAMILIES.items():
+        shipped, tuned = fine_tuned_checkpoint(root, family)
+        verifier = Verifier.from_pretrained(tuned)  # the fine-tuned checkpoint is the verifier vLLM serves
+        references[family] = {tuple(p): hf_greedy(verifier.model, p, MAX_NEW) for p in PROMPTS}
+        dec = build_decoder(verifier, method="mtp", num_draft_tokens=K, first_token="prefill")
+        ours[family] = [dec.generate(batch, MAX_NEW, eos_token_id=None) for batch in BATCHES]
+        cases.append(VllmCase(family, str(tuned), str(tuned), method, batches=BATCHES, k=K, max_tokens=MAX_NEW))
+    result = run_vllm(cases)
+    return {"ours": ours, "vllm": {c["name"]: c for c in result["cases"]}, "references": references}
 
 
-def test_vllm_serves_the_fine_tuned_mtp_layer_like_our_engine(interop):
-    vllm = interop["vllm"]
-    assert vllm["ok"], f"vLLM refused the fine-tuned checkpoint: {vllm.get('error')}\n{vllm.get('traceback')}"
-    for batch, ours, theirs in zip(BATCHES, interop["ours"], vllm["batches"]):
-        want = [interop["references"][tuple(p)] for p in batch]
-        assert theirs["outputs"] == want, "vLLM's output is not plain greedy decoding"
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_vllm_serves_the_fine_tuned_mtp_layer_like_our_engine(interop, family):
+    vllm = interop["vllm"][family]
+    assert vllm["ok"], f"vLLM refused the fine-tuned {family} checkpoint: {vllm.get('error')}\n{vllm.get('traceback')}"
+    for batch, ours, theirs in zip(BATCHES, interop["ours"][family], vllm["batches"]):
+        want = [interop["references"][family][tuple(p)] for p in batch]
+        assert theirs["outputs"] == want, f"{family}: vLLM's output is not plain greedy decoding"
         assert ours.output_ids == want
-        assert theirs["per_step_accepted"] == ours.stats.accepted  # per request, per verification step
+        assert theirs["per_step_accepted"] == ours.stats.accepted, family  # per request, per verification step
         steps = [a for row in ours.stats.accepted for a in row]
         assert theirs["metrics"]["vllm:spec_decode_num_accepted_tokens"] == sum(steps)
         assert theirs["metrics"]["vllm:spec_decode_num_accepted_tokens_per_pos"] == \
             [sum(a > i for a in steps) for i in range(K)]
         assert theirs["metrics"]["vllm:spec_decode_num_drafts"] == len(steps)
-    steps = [a for o in interop["ours"] for row in o.stats.accepted for a in row]
+    steps = [a for o in interop["ours"][family] for row in o.stats.accepted for a in row]
     assert sum(steps) >= 10 and sum(a == K for a in steps) >= 2 and sum(a == 0 for a in steps) >= 2, \
-        f"accepted counts {steps}: too uniform for the comparison to mean much"
+        f"{family}: accepted counts {steps}: too uniform for the comparison to mean much"
