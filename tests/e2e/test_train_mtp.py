@@ -1,6 +1,6 @@
 """train/mtp.py end to end on a tiny GLM-4.5-shaped checkpoint that ships an MTP layer: the run folder, the export
 (the checkpoint with its MTP layer replaced under the same names, everything else unchanged), the train/serve
-check, and the one-line refusals of a checkpoint without MTP weights and of a family we do not fine-tune."""
+check, `draftheads eval --method mtp` on the export, and the one-line refusals of a checkpoint without MTP weights and of a family we do not fine-tune."""
 
 import json
 from pathlib import Path
@@ -33,7 +33,7 @@ def tiny_args(verifier, source, output_dir, *extra):
             "--consistency.max_new_tokens=12", *extra]
 
 
-def test_a_run_fine_tunes_the_mtp_layer_and_writes_the_checkpoint_back(tmp_path):
+def test_a_run_fine_tunes_the_mtp_layer_and_writes_the_checkpoint_back(tmp_path, capsys):
     verifier = save_tiny_mtp_checkpoint(tmp_path / "glm", tokenizer=True)
     reset_accelerate()
     summary = main(parse_config(MtpRunConfig, tiny_args(verifier, rows(tmp_path), tmp_path / "run")))
@@ -50,6 +50,17 @@ def test_a_run_fine_tunes_the_mtp_layer_and_writes_the_checkpoint_back(tmp_path)
     meta = json.loads((out / "draftheads_mtp.json").read_text())["draftheads"]
     assert meta["method"] == "mtp" and meta["vllm_method"] == "glm4_moe_mtp" and meta["training"]["steps"] == 4
     assert read_mtp_layer(out).layer_index == 2
+    # the export is a verifier whose own MTP layer our engine drafts with: `draftheads eval --method mtp`
+    from draftheads.eval.__main__ import main as eval_main
+    from draftheads.eval.measure.report import read_results
+
+    assert eval_main(["--verifier", str(out), "--method", "mtp", "--prompts", "humaneval", "--num-prompts", "2",
+                      "--max-new-tokens", "8", "--threads", "1", "--out", str(tmp_path / "eval")]) == 0
+    assert "| mtp |" in capsys.readouterr().out
+    results = read_results(tmp_path / "eval")
+    assert results["summary"]["mtp"]["lossless"]
+    for sample in results["samples"]:
+        assert sample["runs"]["mtp"]["output_ids"] == sample["runs"]["autoregressive"]["output_ids"]
 
 
 @pytest.mark.parametrize("case", ["no-mtp-weights", "llama"])
