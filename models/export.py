@@ -11,8 +11,8 @@ check and the scripts read through it.
     drafter = load_dflash(folder, verifier)
     check_dflash_engine(cfg, engine)                                         at config time, before any training
     check_dflash_verifier(engine, verifier)                                  once the verifier is read
-    export_mtp(drafter, folder, verifier, training=...)                      the verifier's own MTP layer, fine-tuned:
-                                                                             the whole checkpoint, served by `<family>_mtp`
+    export_mtp(drafter, folder, verifier, training=...)                      a verifier's own MTP layer, fine-tuned:
+                                                                             the whole checkpoint (`<family>_mtp`)
 
 A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
 layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and

@@ -5,11 +5,11 @@
 
 (`python train/mtp.py ...` and `draftheads train mtp ...` are the same run in one process.)
 
-`verifier` is a checkpoint that ships its MTP layer (FAMILIES in models/layouts/mtp_checkpoint.py: glm4_moe,
-GLM-4.5 / 4.6 / 4.7); the layer starts from its shipped weights (`mtp.init: shipped`). The run folder (`output_dir`) gets
+`verifier` is a checkpoint that ships its MTP layer (FAMILIES in models/layouts/mtp_checkpoint.py: glm4_moe, GLM-4.5
+/ 4.6 / 4.7); the layer starts from its shipped weights (`mtp.init: shipped`). The run folder (`output_dir`) gets
 config.yaml, metrics.jsonl, resumable step-NNNNNN/ checkpoints (the layer only) and drafter/: the verifier's
-checkpoint with the fine-tuned MTP layer under the checkpoint's own names (unchanged files hard-linked), which
-vLLM serves as the target model itself:
+checkpoint with the fine-tuned MTP layer under the checkpoint's own names (unchanged files hard-linked), which vLLM
+serves as the target model itself:
 
     LLM(model="RUN/drafter", speculative_config={"method": "glm4_moe_mtp", "num_speculative_tokens": 3})
 

@@ -6,9 +6,9 @@
 The engine (draftheads.eval.engine) never imports this package: it runs any `Drafter` it is handed. Methods:
 `autoregressive` (the baseline, same runtime), `ngram` (prompt lookup, ngram.py), `lookahead` (Jacobi window +
 n-gram pool, lookahead.py), `draft-model` (vanilla speculative decoding with a small LM; chain or tree,
-draft_model.py), `mtp` (the verifier's own multi-token-prediction layer, mtp.py), `medusa` (heads on the verifier's last hidden state, static tree, medusa.py), `eagle` (EAGLE-1 /
+draft_model.py), `medusa` (heads on the verifier's last hidden state, static tree, medusa.py), `eagle` (EAGLE-1 /
 EAGLE-3, chain or EAGLE-2's dynamic tree, eagle.py), `dflash` (block-diffusion drafting: a block of drafts from one
-drafter forward, dflash.py).
+drafter forward, dflash.py), `mtp` (the verifier's own multi-token-prediction layer, a chain, mtp.py).
 """
 
 from __future__ import annotations

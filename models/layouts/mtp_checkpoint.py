@@ -3,13 +3,13 @@
     weights = read_mtp_layer(folder)                        # MtpWeights: the family, the layer index, its tensors
     write_mtp_checkpoint(folder, out, tensors, metadata)    # the same checkpoint with new MTP tensors, in `out`
 
-The families (FAMILIES; GLM-4.5 / 4.6 / 4.7, glm4_moe) ship their MTP layer the DeepSeek-V3 way, inside the checkpoint as one more decoder layer:
-`model.layers.{L}.*` with L = config.json's num_hidden_layers (which counts the verifier's layers only) and
-`num_nextn_predict_layers` such layers. Besides the ordinary decoder-layer weights (self_attn.*, mlp.*, with MoE
-experts one tensor per expert: `mlp.experts.{e}.{gate,up,down}_proj.weight`, input_layernorm, post_attention_layernorm)
-it holds `enorm` (on the token embedding), `hnorm` (on the previous hidden state), `eh_proj` (2H -> H over
-[enorm(embedding); hnorm(hidden)]), `shared_head.norm`, and optionally its own copies `shared_head.head` (the LM
-head) and `embed_tokens`.
+The families (FAMILIES; GLM-4.5 / 4.6 / 4.7, glm4_moe) ship their MTP layer the DeepSeek-V3 way, inside the
+checkpoint as one more decoder layer: `model.layers.{L}.*` with L = config.json's num_hidden_layers (which counts
+the verifier's layers only) and `num_nextn_predict_layers` such layers. Besides the ordinary decoder-layer weights
+(self_attn.*, mlp.*, with MoE experts one tensor per expert: `mlp.experts.{e}.{gate,up,down}_proj.weight`,
+input_layernorm, post_attention_layernorm) it holds `enorm` (on the token embedding), `hnorm` (on the previous
+hidden state), `eh_proj` (2H -> H over [enorm(embedding); hnorm(hidden)]), `shared_head.norm`, and optionally its
+own copies `shared_head.head` (the LM head) and `embed_tokens`.
 
 What vLLM 0.32 builds from it (model_executor/models/glm4_moe_mtp.py, deepseek_mtp.py; the target checkpoint itself
 is read, `speculative_config={"method": FAMILIES[t], "num_speculative_tokens": K}` with no separate model):

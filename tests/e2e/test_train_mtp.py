@@ -1,6 +1,7 @@
 """train/mtp.py end to end on a tiny GLM-4.5-shaped checkpoint that ships an MTP layer: the run folder, the export
 (the checkpoint with its MTP layer replaced under the same names, everything else unchanged), the train/serve
-check, `draftheads eval --method mtp` on the export, and the one-line refusals of a checkpoint without MTP weights and of a family we do not fine-tune."""
+check, `draftheads eval --method mtp` on the export, and the one-line refusals of a checkpoint without MTP weights
+and of a family we do not fine-tune."""
 
 import json
 from pathlib import Path
@@ -70,7 +71,8 @@ def test_a_checkpoint_we_cannot_fine_tune_is_one_line(tmp_path, capsys, case):
         want = f"config error: {verifier / 'config.json'}: model_type 'llama' has no MTP layer draftheads fine-tunes"
     else:
         verifier = save_tiny_mtp_checkpoint(tmp_path / "glm", tokenizer=True, mtp=False)
-        want = f"config error: {verifier}: no MTP weights in its safetensors (config.json says num_nextn_predict_layers=1)"
+        want = (f"config error: {verifier}: no MTP weights in its safetensors (config.json says "
+                "num_nextn_predict_layers=1)")
     source = rows(tmp_path)
     reset_accelerate()
     capsys.readouterr()  # what building the checkpoint printed

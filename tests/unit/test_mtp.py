@@ -112,4 +112,5 @@ def test_init_random_starts_the_layer_afresh(glm):
     assert all(torch.isfinite(v).all() for v in fresh.values())
     assert torch.equal(fresh["model.layers.2.enorm.weight"], torch.ones(128))
     # the shared head is never re-initialised: it is the verifier's
-    assert torch.equal(fresh["model.layers.2.shared_head.head.weight"], weights.tensors["model.layers.2.shared_head.head.weight"])
+    head = "model.layers.2.shared_head.head.weight"
+    assert torch.equal(fresh[head], weights.tensors[head])
