@@ -34,10 +34,12 @@ def tiny_args(verifier, source, output_dir, *extra):
             "--consistency.max_new_tokens=12", *extra]
 
 
-def test_a_run_fine_tunes_the_mtp_layer_and_writes_the_checkpoint_back(tmp_path, capsys):
+@pytest.mark.parametrize("targets", ["verifier", "data"])
+def test_a_run_fine_tunes_the_mtp_layer_and_writes_the_checkpoint_back(tmp_path, capsys, targets):
     verifier = save_tiny_mtp_checkpoint(tmp_path / "glm", tokenizer=True)
     reset_accelerate()
-    summary = main(parse_config(MtpRunConfig, tiny_args(verifier, rows(tmp_path), tmp_path / "run")))
+    summary = main(parse_config(MtpRunConfig, tiny_args(verifier, rows(tmp_path), tmp_path / "run",
+                                                        f"--mtp.targets={targets}")))
     out = tmp_path / "run" / "drafter"
     assert summary["consistency"]["tau"] == summary["consistency"]["tau_in_memory"]
     assert (tmp_path / "run" / "step-000004").is_dir() and (tmp_path / "run" / "config.yaml").is_file()
