@@ -105,16 +105,17 @@ def main(cfg: MtpRunConfig) -> dict:
         drafter = MtpDrafter(verifier, weights, cfg.mtp)
     except MtpError as err:
         raise ConfigError(str(err)) from None
+    weights_folder, family, layer = weights.folder, weights.model_type, weights.layer_index
+    del weights  # the layer's stored tensors (GB for a real MoE layer): the drafter holds its own copy now
     train_dl, eval_dl = get_dataloaders(cfg, tokenizer)
     start_tracking(accelerator, cfg)
     say(f"[data] {len(train_dl.dataset)} training rows, {len(eval_dl.dataset)} held-out rows of "
         f"{cfg.data.seq_len} tokens ({cfg.data.source})")
-    record_run_resolved(accelerator, cfg, "mtp", {**cfg.mtp.to_dict(), "family": weights.model_type,
-                                                  "layer_index": weights.layer_index})
+    record_run_resolved(accelerator, cfg, "mtp", {**cfg.mtp.to_dict(), "family": family, "layer_index": layer})
     n_params = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
-    say(f"[mtp] {weights.model_type} layer model.layers.{weights.layer_index} ({cfg.mtp.init}), "
+    say(f"[mtp] {family} layer model.layers.{layer} ({cfg.mtp.init}), "
         f"{n_params / 1e6:.2f}M trainable parameters, {cfg.mtp.steps} unrolled drafts, targets {cfg.mtp.targets}; "
-        f"served by vLLM as {FAMILIES[weights.model_type]}")
+        f"served by vLLM as {FAMILIES[family]}")
 
     model = MtpTrainModule(drafter)
     optimizer = build_optimizer(model, cfg)
@@ -158,12 +159,12 @@ def main(cfg: MtpRunConfig) -> dict:
 
     # ---- export ----
     summary = {**loop.summary(), "data": cfg.data.source, "seq_len": cfg.data.seq_len}
-    drafter = export_drafter(accelerator, model, "float32",
-                             lambda: MtpTrainModule(MtpDrafter(verifier, weights, cfg.mtp)))
+    drafter = export_drafter(accelerator, model, "float32",  # a fresh copy, read again (the tensors were let go)
+                             lambda: MtpTrainModule(MtpDrafter(verifier, read_mtp_layer(weights_folder), cfg.mtp)))
     if accelerator.is_main_process:
         folder = export_mtp(drafter, cfg.drafter_dir, verifier, training=summary)
         say(f"[export] {folder}: the verifier checkpoint with the fine-tuned MTP layer (vLLM: method "
-            f"{FAMILIES[weights.model_type]})")
+            f"{FAMILIES[family]})")
     return finish_run(accelerator, loop, summary, cfg, drafter, verifier, eval_dl.dataset, tokenizer, say=say,
                       num_draft_tokens=cfg.mtp.num_draft_tokens)
 
