@@ -33,7 +33,7 @@ VERBS: dict[str, tuple[str, str | None]] = {
     "cache": ("check a hidden-state cache: `draftheads cache verify DIR`", "draftheads.data.hidden_states"),
     "build-verifier": ("build the embedded default verifier (tiny-code, tiny-micro) into the cache", None),
 }
-TRAINERS = ("medusa", "eagle", "dflash")
+TRAINERS = ("medusa", "eagle", "dflash", "mtp")
 
 
 def _train(argv: list[str]) -> int:
@@ -56,6 +56,8 @@ def trainer(name: str):
         from draftheads.train.medusa import MedusaRunConfig as cls, main
     elif name == "dflash":
         from draftheads.train.dflash import DFlashRunConfig as cls, main
+    elif name == "mtp":
+        from draftheads.train.mtp import MtpRunConfig as cls, main
     else:
         from draftheads.train.eagle import EagleRunConfig as cls, main
     return cls, main

@@ -46,7 +46,7 @@ from draftheads.eval.measure.cli_common import (  # shared with eval/measure/tun
 )
 from draftheads.models.atomic import folder_problem
 
-ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle", "dflash")
+ENGINE_METHODS = ("autoregressive", "ngram", "lookahead", "draft-model", "medusa", "eagle", "dflash", "mtp")
 NEEDS_DRAFT = ("draft-model", "medusa", "eagle", "dflash")
 COMPARE = ("autoregressive", "hf", "hf-assisted")
 HF_ASSISTED_OPTIONS = ["assistant", "prompt_lookup_num_tokens", "max_matching_ngram_size"]

@@ -12,6 +12,8 @@ check and the scripts read through it.
     drafter = load_dflash(folder, verifier)
     check_dflash_engine(cfg, engine)                                         at config time, before any training
     check_dflash_verifier(engine, verifier)                                  once the verifier is read
+    export_mtp(drafter, folder, verifier, training=...)                      a verifier's own MTP layer, fine-tuned:
+                                                                             the whole checkpoint (`<family>_mtp`)
 
 A folder is `config.json` (the engine's fields plus our `draftheads` block: method, verifier name + fingerprint,
 layer ids, the engine layout, training summary) and `model.safetensors`, written atomically. Which fields and
@@ -44,6 +46,7 @@ from draftheads.models.layouts import (
 )
 from draftheads.models.layouts.folder import (
     CONFIG_NAME,
+    METADATA_KEY,
     WEIGHTS_NAME,
     DrafterFormatError,
     metadata_block,
@@ -57,7 +60,7 @@ from draftheads.models.verifier import Verifier, VerifierError, check_drafter_ma
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "DrafterFormatError", "ENGINES", "DFLASH_ENGINES", "check_dflash_engine",
            "check_dflash_verifier", "export_dflash", "export_eagle", "load_dflash", "load_eagle", "load_medusa",
-           "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa"]
+           "load_medusa_verifier", "read_drafter", "read_metadata", "save_medusa", "export_mtp"]
 
 EAGLE_LAYOUTS = {layout.NAME: layout for layout in (eagle_vllm, eagle_sglang, eagle_speculators)}
 ENGINES = tuple(EAGLE_LAYOUTS)
@@ -396,3 +399,16 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
         raise DrafterFormatError(f"{weights}: {err}") from None
     drafter.load_state_dict(state, strict=True)
     return drafter.to(device=verifier.device)
+
+
+def export_mtp(drafter, folder: str | os.PathLike, verifier, training: dict | None = None) -> Path:
+    """Write the checkpoint an `MtpDrafter` was read from, with its (fine-tuned) MTP layer under the checkpoint's own
+    names, into `folder` (models/layouts/mtp_checkpoint.py): vLLM serves it as the target model with
+    `speculative_config={"method": "<family>_mtp", "num_speculative_tokens": K}`. The `draftheads` block goes to
+    draftheads_mtp.json beside the weights (the verifier it was trained on: the source checkpoint)."""
+    from draftheads.models.layouts.mtp_checkpoint import FAMILIES, read_mtp_layer, write_mtp_checkpoint
+
+    source = read_mtp_layer(drafter.folder)
+    meta = metadata_block("mtp", verifier, vllm_method=FAMILIES[drafter.model_type], mtp_layer=drafter.layer_index,
+                          mtp=drafter.cfg.to_dict(), training=training or {})
+    return write_mtp_checkpoint(source, folder, drafter.checkpoint_tensors(), {METADATA_KEY: meta})

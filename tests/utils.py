@@ -301,3 +301,55 @@ def record_wandb_logs(monkeypatch) -> list[tuple[int | None, set[str]]]:
 
     monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", recording_log)
     return logged
+
+
+#: A tiny GLM-4.5-shaped verifier (glm4_moe: layer 0 dense, the rest MoE, partial rotary) that vLLM's CPU build
+#: serves: head_dim 32 (its CPU attention needs >= 32), at least one MoE layer (vLLM's Glm4Moe needs one).
+MTP_GLM = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, moe_intermediate_size=64, n_routed_experts=4,
+               num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
+               max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
+MTP_RECIPES = {"glm4_moe": MTP_GLM}
+
+
+def save_tiny_mtp_checkpoint(folder: str | Path, family: str = "glm4_moe", seed: int = 0, mtp: bool = True,
+                             tokenizer: bool = False, **overrides) -> Path:
+    """A random tiny checkpoint of `family` shipping an MTP layer as the real ones do: the model built with one layer
+    more, saved by transformers (per-expert names), config.json's num_hidden_layers lowered by one, and the last
+    layer completed into the MTP layer (enorm, hnorm, eh_proj, shared_head.norm, shared_head.head = lm_head), all
+    under `model.layers.{L}.`. mtp=False: the same checkpoint without the MTP layer's weights. tokenizer: with a
+    small byte-level BPE tokenizer (tests/chat_tokenizers.py) and the vocabulary sized for it, for the trainer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in MTP_RECIPES:
+        raise ValueError(f"save_tiny_mtp_checkpoint: no tiny recipe for {family!r}")
+    folder = Path(folder)
+    fields = {**MTP_RECIPES[family], **overrides}
+    if tokenizer:
+        from tests.chat_tokenizers import plain_tokenizer
+
+        tok = plain_tokenizer()
+        fields.update(vocab_size=-(-len(tok) // 64) * 64, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    L = fields["num_hidden_layers"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**fields, "num_hidden_layers": L + 1}))
+    model.save_pretrained(folder, safe_serialization=True)
+    tensors = load_file(folder / "model.safetensors")
+    H, prefix, gen = fields["hidden_size"], f"model.layers.{L}.", torch.Generator().manual_seed(seed + 1)
+    if mtp:
+        tensors.update({prefix + "enorm.weight": torch.ones(H), prefix + "hnorm.weight": torch.ones(H),
+                        prefix + "shared_head.norm.weight": torch.ones(H),
+                        prefix + "eh_proj.weight": torch.randn(H, 2 * H, generator=gen) * fields["initializer_range"],
+                        prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone()})
+    else:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    if tokenizer:
+        tok.save_pretrained(folder)
+    return folder

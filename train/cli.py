@@ -96,8 +96,10 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from draftheads.models.dflash import DFlashError
     from draftheads.models.eagle import EagleError
     from draftheads.models.export import DrafterFormatError
+    from draftheads.models.layouts.mtp_checkpoint import MtpCheckpointError
+    from draftheads.models.mtp import MtpError
     from draftheads.models.verifier import VerifierError
     from draftheads.train.checkpoint import CheckpointError
 
-    return (DataError, CacheError, DrafterFormatError, EagleError, DFlashError, VerifierError, NonFiniteLossError,
-            CheckpointError)
+    return (DataError, CacheError, DrafterFormatError, EagleError, DFlashError, MtpError, MtpCheckpointError,
+            VerifierError, NonFiniteLossError, CheckpointError)

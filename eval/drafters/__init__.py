@@ -8,7 +8,7 @@ The engine (draftheads.eval.engine) never imports this package: it runs any `Dra
 n-gram pool, lookahead.py), `draft-model` (vanilla speculative decoding with a small LM; chain or tree,
 draft_model.py), `medusa` (heads on the verifier's last hidden state, static tree, medusa.py), `eagle` (EAGLE-1 /
 EAGLE-3, chain or EAGLE-2's dynamic tree, eagle.py), `dflash` (block-diffusion drafting: a block of drafts from one
-drafter forward, dflash.py).
+drafter forward, dflash.py), `mtp` (the verifier's own multi-token-prediction layer, a chain, mtp.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from draftheads.eval.drafters.draft_model import DraftModelDrafter, load_causal_
 from draftheads.eval.drafters.eagle import make_eagle
 from draftheads.eval.drafters.lookahead import LookaheadDrafter
 from draftheads.eval.drafters.medusa import make_medusa
+from draftheads.eval.drafters.mtp import make_mtp
 from draftheads.eval.drafters.ngram import NgramDrafter
 from draftheads.eval.engine.decoder import SpeculativeDecoder, load_verifier
 from draftheads.eval.engine.protocol import Drafter, NoDrafter
@@ -66,8 +67,12 @@ def _dflash(verifier, draft, device, dtype, num_draft_tokens: int | None = None)
     return make_dflash(verifier, draft, num_draft_tokens)
 
 
+def _mtp(verifier, draft, device, dtype, num_draft_tokens: int = 3):
+    return make_mtp(verifier, draft, num_draft_tokens)
+
+
 METHODS = {"autoregressive": _autoregressive, "ngram": _ngram, "lookahead": _lookahead, "draft-model": _draft_model,
-           "medusa": _medusa, "eagle": _eagle, "dflash": _dflash}
+           "medusa": _medusa, "eagle": _eagle, "dflash": _dflash, "mtp": _mtp}
 
 
 def make_drafter(method: str, verifier, draft=None, device=None, dtype=None, **options) -> Drafter:

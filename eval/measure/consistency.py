@@ -55,14 +55,17 @@ def drafter_method(drafter) -> str:
     from draftheads.models.dflash import DFlashDrafter
     from draftheads.models.eagle import EagleDrafter
     from draftheads.models.medusa import MedusaHeads
+    from draftheads.models.mtp import MtpDrafter
 
+    if isinstance(drafter, MtpDrafter):
+        return "mtp"
     if isinstance(drafter, MedusaHeads):
         return "medusa"
     if isinstance(drafter, EagleDrafter):
         return "eagle"
     if isinstance(drafter, DFlashDrafter):
         return "dflash"
-    raise TypeError(f"check_export: expected MedusaHeads, an EagleDrafter or a DFlashDrafter, got "
+    raise TypeError(f"check_export: expected MedusaHeads, an EagleDrafter, a DFlashDrafter or an MtpDrafter, got "
                     f"{type(drafter).__name__}")
 
 

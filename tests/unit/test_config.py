@@ -125,8 +125,10 @@ def test_every_run_config_parses_with_its_trainer(path):
     from draftheads.train.dflash import DFlashRunConfig
     from draftheads.train.eagle import EagleRunConfig
     from draftheads.train.medusa import MedusaRunConfig
+    from draftheads.train.mtp import MtpRunConfig
 
-    cls = MedusaRunConfig if "medusa" in path.stem else DFlashRunConfig if "dflash" in path.stem else EagleRunConfig
+    cls = MedusaRunConfig if "medusa" in path.stem else DFlashRunConfig if "dflash" in path.stem else \
+        MtpRunConfig if path.stem.endswith("-mtp") else EagleRunConfig
     cfg = parse_config(cls, ["--config", str(path)])
     if path.stem == "peagle-tiny":
         assert cfg.eagle.parallel and cfg.eagle.version == 3
