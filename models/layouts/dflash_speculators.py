@@ -38,6 +38,9 @@ CHECKED_FIELDS = ("speculators_model_type", "transformer_layer_config", "draft_v
 
 def check(cfg) -> None:
     dflash_vllm.check(cfg)
+    if cfg.variant != "dflash":
+        raise dflash_vllm.error(f"dflash.variant={cfg.variant} with engine speculators: this layout writes DFlash "
+                                "drafters only; export for engine vllm")
     if cfg.draft_vocab_size is not None:
         raise dflash_vllm.error(
             f"dflash.draft_vocab_size={cfg.draft_vocab_size} with engine speculators: this layout writes drafters "
