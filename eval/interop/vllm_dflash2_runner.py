@@ -17,7 +17,8 @@ it, a parameter still holding NaN was not written, a file tensor that reached no
 verifier's embedding and lm_head are then copied in (vLLM's proposer shares the target's).
 
 A block: the context's keys and values through vLLM's own `precompute_and_store_context_kv` (its fc, hidden_norm,
-fused kv projection, k_norm and RoPE; one kernel swapped, below), then the block [anchor, MASK x k] at positions n .. n+k through its forward,
+fused kv projection, k_norm and RoPE; one kernel swapped, below), then the block [anchor, MASK x k] at positions
+n .. n+k through its forward,
 `compute_logits`, `compute_candidates` and `model.candidate_selector` (the edge scores its speculator walks). The one
 part that is not vLLM's: the attention kernel (a backend, not model code), replaced by a plain softmax attention of
 the block's queries over [context keys; block keys], bidirectional as a full-attention DFlash layer is, the context
@@ -179,7 +180,8 @@ def load(job: dict):
         cls.load_weights = original
     skipped = sorted(name for name, ident, _ in fed if ident not in reached)
     written_by = {name: sorted(reached.get(ident, ())) for name, ident, _ in fed}
-    report = {"serving": serving, "model_class": type(model).__name__, "architecture": arch, "file_tensors": [n for n, _, _ in fed],
+    report = {"serving": serving, "model_class": type(model).__name__, "architecture": arch,
+              "file_tensors": [n for n, _, _ in fed],
               "skipped": skipped, "unwritten": unwritten, "written_by": written_by,
               "parameters": sorted(n for n, _ in model.named_parameters())}
     return vllm_config, model, report
@@ -216,7 +218,8 @@ def run_block(model, block: dict, k: int, mask_token_id: int) -> dict:
         candidates, unary = model.compute_candidates(hidden[1:])  # (k, C) each
         scores = model.model.candidate_selector(candidates[None], unary[None], hidden[None, 1:],
                                                 torch.tensor([block["anchor"]]))  # (1, k, C, C)
-    return {"k_norm_kernel_drift": drift[0], "hidden": hidden.tolist(), "logits": logits.tolist(), "candidates": candidates.tolist(),
+    return {"k_norm_kernel_drift": drift[0], "hidden": hidden.tolist(), "logits": logits.tolist(),
+            "candidates": candidates.tolist(),
             "unary": unary.tolist(), "scores": scores[0].tolist()}
 
 

@@ -3,9 +3,10 @@ MLP (causal within the block: conv.py) and a candidate selector that re-ranks th
 block position by the token drafted before it (selector.py), as vLLM 0.32 serves it (qwen3_dflash2.py,
 `DFlash2DraftModel`) and speculators / SpecForge train it.
 
-Chosen by `dflash.variant: dflash2` in a DFlash run config (train/dflash.py); this package's `build_drafter` builds
-either variant's drafter (models/dflash/ knows only DFlash), as `load_dflash` reads either; the engine drafts it through the `dflash` method (eval/drafters/dflash2.py); the
-export is vLLM's layout (models/layouts/dflash2_vllm.py).
+Chosen by `dflash.variant: dflash2` in a DFlash run config (train/dflash.py). This package's `build_drafter`
+builds either variant's drafter (models/dflash/ knows only DFlash), as `load_dflash` reads either; the engine drafts
+it through the `dflash` method (eval/drafters/dflash2.py); the export is vLLM's layout
+(models/layouts/dflash2_vllm.py).
 """
 
 from draftheads.models.dflash2.conv import GroupedConv, grouped_conv  # noqa: F401
