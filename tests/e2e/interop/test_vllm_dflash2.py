@@ -1,5 +1,6 @@
-"""Our DFlash2 exports in vLLM's own DFlash2 model class (the CPU build of 0.32 in .venv-vllm;
-eval/interop/vllm_dflash2_runner.py): vLLM's loader reads the folder into `DFlash2Qwen3ForCausalLM.load_weights`,
+"""Our DFlash2 exports, in vLLM's layout and in speculators' DFlash2 format, in vLLM's own DFlash2 model class (the
+CPU build of 0.32 in .venv-vllm; eval/interop/vllm_dflash2_runner.py): vLLM's loader reads the folder into
+`DFlash2Qwen3ForCausalLM.load_weights`,
 and its forward, logits, top-k candidates and candidate-selector scores on the same blocks equal ours in fp32.
 
 vLLM cannot *serve* DFlash2 on a CPU: its V1 model runner refuses a candidate-head draft and its V2 runner needs
@@ -50,13 +51,15 @@ def lively_drafter(verifier):
     return drafter
 
 
-@pytest.fixture(scope="module")
-def case(tmp_path_factory, vllm_ready):
-    root = tmp_path_factory.mktemp("interop-dflash2")
+@pytest.fixture(scope="module", params=["vllm", "speculators"])
+def case(request, tmp_path_factory, vllm_ready):
+    """One export per layout: vLLM's (config.json read as is) and speculators' DFlash2 format (read through vLLM's
+    own conversion, `update_dflash2`), of the same drafter."""
+    root = tmp_path_factory.mktemp(f"interop-dflash2-{request.param}")
     model = peaked_model("qwen3", **SIZE)
     model.save_pretrained(root / "verifier", safe_serialization=True)
     verifier = Verifier.from_pretrained(root / "verifier")
-    folder = export_dflash(lively_drafter(verifier), root / "drafter", verifier)
+    folder = export_dflash(lively_drafter(verifier), root / "drafter", verifier, engine=request.param)
     drafter = load_dflash(folder, verifier)
     ids = torch.tensor([PROMPTS[2] + FIT[-1]])
     features = torch.cat(verifier.features(ids, layer_ids=drafter.feature_layers).layers, -1)[0]  # (T, L*H)
