@@ -209,11 +209,14 @@ def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
         config, tensors = read_drafter(folder)
     except DrafterFormatError as err:
         return Subject("dflash", "unknown", unjudged=str(err))
-    served = dflash_reading(config, tensors, verifier)
-    subject_not_here = mixed_layers_not_here(served.layer_types)
     block = config.get("draftheads") or {}
     kind = "draftheads" if block.get("method") == "dflash" else \
         "speculators" if config.get("speculators_config") is not None else "dflash"
+    if "DFlash2DraftModel" in (config.get("architectures") or []) or \
+            config.get("speculators_model_type") == "dflash2":
+        return dflash2_subject(kind)
+    served = dflash_reading(config, tensors, verifier)
+    subject_not_here = mixed_layers_not_here(served.layer_types)
     subject = Subject("dflash", kind, not_here=subject_not_here)
     trained = None
     if kind == "draftheads":
@@ -261,6 +264,21 @@ def unreadable_weights(folder: Path) -> str | None:
         except Exception as err:  # safetensors raises its own error types for a bad header or a short file
             return f"{path}: unreadable safetensors file ({err})"
     return None
+
+
+def dflash2_subject(kind: str) -> Subject:
+    """A DFlash2 folder (architecture DFlash2DraftModel): vLLM 0.32 drafts its candidate selector only in its V2
+    model runner (vllm/config/vllm.py refuses "DFlash candidate-head drafts" on V1), which needs Triton, and the
+    CPU build has none; on a GPU, this command does not read DFlash2 as vLLM does yet (tests/e2e/interop/
+    test_vllm_dflash2.py holds vLLM's own DFlash2 class to ours instead)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Subject("dflash", kind, unjudged="a DFlash2 folder (DFlash2DraftModel): serve-check does not read "
+                       "DFlash2 as vLLM does yet")
+    return Subject("dflash", kind, not_here="a DFlash2 folder (DFlash2DraftModel): vLLM serves its candidate "
+                   "selector only with its V2 model runner, which needs a Triton backend that vLLM's CPU build "
+                   "lacks (its V1 runner refuses DFlash candidate-head drafts); run on a GPU")
 
 
 def mixed_layers_not_here(layer_types: list[str]) -> str | None:

@@ -138,3 +138,18 @@ def test_the_cpu_kernel_vllm_norms_context_keys_with_is_still_wrong(case):
     """The runner norms context keys per layer in torch because vLLM's CPU rms_norm applies layer 0's k_norm to
     every layer; when a vLLM upgrade fixes it this fails: drop the swap from the runner then."""
     assert all(b["k_norm_kernel_drift"] > 1e-2 for b in case["result"]["blocks"])
+
+
+def test_serve_check_says_why_a_dflash2_folder_is_not_served_here(tmp_path, capsys):
+    from draftheads.eval.interop import serve_check
+    from tests.utils import save_tiny_verifier_with_tokenizer
+
+    vdir = save_tiny_verifier_with_tokenizer(tmp_path / "verifier", "qwen3", **SIZE)
+    verifier = Verifier.from_pretrained(vdir)
+    cfg = DFlashConfig(num_hidden_layers=1, block_size=K + 1, variant="dflash2", selector_rank=8, selector_top_k=4)
+    folder = export_dflash(build_drafter(verifier, cfg), tmp_path / "d2", verifier)
+    code = serve_check.main(["--verifier", str(vdir), "--draft", str(folder), "--num-prompts", "1",
+                             "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert code == 1 and f"VERDICT {folder}: NOT JUDGED - not run in vLLM: a DFlash2 folder" in out, out
+    assert "V2 model runner" in out
