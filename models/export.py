@@ -327,6 +327,10 @@ def check_dflash_engine(cfg, engine: str):
 def _check_sglang_own_head(cfg, engine: str) -> None:
     from draftheads.models.dflash import DFlashError
 
+    if engine == "sglang" and cfg.variant != "dflash":
+        raise DFlashError(f"dflash.variant={cfg.variant} with engine sglang: how SGLang reads a DFlash2 drafter (its "
+                          "convolutions and candidate selector) is not checked here (vLLM's reading is); export for "
+                          "engine vllm")
     if engine == "sglang" and cfg.draft_vocab_size is not None:
         raise DFlashError(f"dflash.draft_vocab_size={cfg.draft_vocab_size} with engine sglang: how SGLang reads a "
                           "DFlash drafter's own lm_head is not checked here (vLLM's reading is); export for engine "
@@ -369,7 +373,8 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     """Read a drafter written by `export_dflash` back exactly, for `verifier` (refused if it is another one): the
     drafter is rebuilt from the `draftheads` block, every field the engine reads is compared with what that drafter
     writes, and the weights must be exactly its keys, shapes and one dtype."""
-    from draftheads.models.dflash import DFlashConfig, DFlashDrafter, DFlashError
+    from draftheads.models.dflash import DFlashConfig, DFlashError
+    from draftheads.models.dflash2 import drafter_class
 
     folder = Path(folder)
     config, tensors = read_drafter(folder, expect_method="dflash")
@@ -378,7 +383,7 @@ def load_dflash(folder: str | os.PathLike, verifier, check_fingerprint: bool = T
     try:
         cfg = DFlashConfig.from_dict(meta["dflash"], where=f"{where}: draftheads.dflash")
         layout = _dflash_layout(engine, cfg)
-        drafter = DFlashDrafter(cfg, verifier)
+        drafter = drafter_class(cfg)(cfg, verifier)
     except DFlashError as err:
         raise DrafterFormatError(f"{where}: draftheads.dflash is not a DFlash drafter for this verifier ({err})") \
             from None

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from draftheads.data.progress import quiet
-from draftheads.models.dflash import DFlashConfig, DFlashTrainModule, build_drafter
+from draftheads.models.dflash import DFlashConfig, DFlashTrainModule
+from draftheads.models.dflash2 import build_drafter  # either dflash.variant's drafter
 from draftheads.models.export import check_dflash_engine, check_dflash_verifier, export_dflash
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, ExportedRunConfig

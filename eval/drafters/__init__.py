@@ -8,14 +8,16 @@ The engine (draftheads.eval.engine) never imports this package: it runs any `Dra
 n-gram pool, lookahead.py), `draft-model` (vanilla speculative decoding with a small LM; chain or tree,
 draft_model.py), `medusa` (heads on the verifier's last hidden state, static tree, medusa.py), `eagle` (EAGLE-1 /
 EAGLE-3, chain or EAGLE-2's dynamic tree, eagle.py), `dflash` (block-diffusion drafting: a block of drafts from one
-drafter forward, dflash.py), `mtp` (the verifier's own multi-token-prediction layer, a chain, mtp.py).
+drafter forward, dflash.py; a DFlash2 drafter through its candidate selector, dflash2.py), `mtp` (the verifier's own
+multi-token-prediction layer, a chain, mtp.py).
 """
 
 from __future__ import annotations
 
 import inspect
 
-from draftheads.eval.drafters.dflash import make_dflash
+from draftheads.eval.drafters.dflash import DFlashBlockDrafter, dflash_model
+from draftheads.eval.drafters.dflash2 import DFlash2BlockDrafter
 from draftheads.eval.drafters.draft_model import DraftModelDrafter, load_causal_lm
 from draftheads.eval.drafters.eagle import make_eagle
 from draftheads.eval.drafters.lookahead import LookaheadDrafter
@@ -64,7 +66,9 @@ def _eagle(verifier, draft, device, dtype, chain: int | None = None, depth: int 
 
 
 def _dflash(verifier, draft, device, dtype, num_draft_tokens: int | None = None):
-    return make_dflash(verifier, draft, num_draft_tokens)
+    model = dflash_model(verifier, draft)  # DFlash2 (dflash.variant dflash2) drafts through its selector
+    engine = DFlash2BlockDrafter if model.cfg.variant == "dflash2" else DFlashBlockDrafter
+    return engine(model, num_draft_tokens)
 
 
 def _mtp(verifier, draft, device, dtype, num_draft_tokens: int = 3):

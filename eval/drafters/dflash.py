@@ -48,11 +48,16 @@ class DFlashBlockDrafter(Drafter):
     docstring."""
 
     name = "dflash"
+    variant = "dflash"
     capturable = True  # every step op is a device op on fixed buffers (eval/engine/cuda_loop.py may graph it)
 
     def __init__(self, model, num_draft_tokens: int | None = None, window_bucket: int = 64):
-        self.model = model.eval().requires_grad_(False)
         cfg = model.cfg
+        if cfg.variant != self.variant:  # a DFlash2 drafter drafts through its selector (dflash2.py)
+            raise ValueError(f"method 'dflash': a dflash.variant={cfg.variant} drafter drafts through "
+                             f"{'DFlash2BlockDrafter' if cfg.variant == 'dflash2' else 'its own engine class'}, "
+                             f"not {type(self).__name__}")
+        self.model = model.eval().requires_grad_(False)
         self.cfg = cfg
         K = cfg.block_size - 1 if num_draft_tokens is None else int(num_draft_tokens)
         if K < 1:
@@ -102,6 +107,18 @@ class DFlashBlockDrafter(Drafter):
             self.cache_v[l, self.rows, :, pos] = v.transpose(1, 2)
 
     def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
+        hidden = self.block_hidden(state)  # (B, K+1, H), final-normed
+        if self.cfg.dspark:  # left to right through the Markov head
+            return self._markov_draft(hidden[:, 1:], state.roots(), sampling, state.device)
+        logits = self.model.logits(hidden[:, 1:])  # (B, K, V): draft j from mask position j
+        if sampling.greedy:
+            return Draft(logits.argmax(-1), self.tree)
+        probs = probs_from_logits(logits, sampling.temperature, sampling.top_p)  # (B, K, V)
+        tokens = (probs / exponential_noise(probs.shape, sampling.generator, state.device)).argmax(-1)
+        return Draft(tokens, self.tree, probs)
+
+    def block_hidden(self, state: DecodeState) -> torch.Tensor:
+        """The drafter over this step's block [root, MASK x K]: its final-normed hidden states (B, K+1, H)."""
         m, K = self.model, self.num_draft_tokens
         B, dev = state.batch_size, state.device
         L = state.lengths  # (B,)
@@ -123,16 +140,7 @@ class DFlashBlockDrafter(Drafter):
             return m.layers[l].self_attn.attend(qh, self.cache_k[l, :, :, :W], self.cache_v[l, :, :, :W],
                                                 masks[self.sliding[l]][:, None])
 
-        hidden = m.block(m.embed(ids), pos, attend)  # (B, K+1, H), final-normed
-        if self.cfg.dspark:  # left to right through the Markov head
-            return self._markov_draft(hidden[:, 1:], state.roots(), sampling, dev)
-        logits = m.logits(hidden[:, 1:])  # (B, K, V): draft j from mask position j
-        if sampling.greedy:
-            return Draft(logits.argmax(-1), self.tree)
-        probs = probs_from_logits(logits, sampling.temperature, sampling.top_p)  # (B, K, V)
-        tokens = (probs / exponential_noise(probs.shape, sampling.generator, dev)).argmax(-1)
-        return Draft(tokens, self.tree, probs)
-
+        return m.block(m.embed(ids), pos, attend)
 
     def _markov_draft(self, hidden: torch.Tensor, roots: torch.Tensor, sampling: Sampling, dev) -> Draft:
         """DSpark's drafts: draft j from its Markov-biased logits given draft j-1 (`DFlashDrafter.draft_block`)."""
@@ -153,6 +161,11 @@ class DFlashBlockDrafter(Drafter):
 def make_dflash(verifier, draft, num_draft_tokens: int | None = None) -> DFlashBlockDrafter:
     """The `dflash` method: `draft` is an exported folder (`draftheads.models.export.export_dflash`) or a
     DFlashDrafter module. Drafts block_size - 1 tokens a step unless num_draft_tokens says otherwise."""
+    return DFlashBlockDrafter(dflash_model(verifier, draft), num_draft_tokens)
+
+
+def dflash_model(verifier, draft):
+    """The drafter module of the `dflash` method's `draft` (a folder, read for `verifier`, or a module)."""
     from draftheads.models.dflash import DFlashDrafter
     from draftheads.models.export import load_dflash
 
@@ -171,4 +184,4 @@ def make_dflash(verifier, draft, num_draft_tokens: int | None = None) -> DFlashB
     else:
         raise TypeError(f"method 'dflash': draft must be an export folder or a DFlashDrafter, got "
                         f"{type(draft).__name__}")
-    return DFlashBlockDrafter(model, num_draft_tokens)
+    return model

@@ -213,11 +213,14 @@ def read_dflash(folder: Path, verifier, k: int, dtype: str) -> Subject:
 
     if is_dspark(config):
         return Subject("dspark", "dspark", not_here=DSPARK_NOT_HERE)
-    served = dflash_reading(config, tensors, verifier)
-    subject_not_here = mixed_layers_not_here(served.layer_types)
     block = config.get("draftheads") or {}
     kind = "draftheads" if block.get("method") == "dflash" else \
         "speculators" if config.get("speculators_config") is not None else "dflash"
+    if "DFlash2DraftModel" in (config.get("architectures") or []) or \
+            config.get("speculators_model_type") == "dflash2":
+        return dflash2_subject(kind)
+    served = dflash_reading(config, tensors, verifier)
+    subject_not_here = mixed_layers_not_here(served.layer_types)
     subject = Subject("dflash", kind, not_here=subject_not_here)
     trained = None
     if kind == "draftheads":
@@ -271,6 +274,21 @@ DSPARK_NOT_HERE = ("a DSpark drafter (Markov head): vLLM serves method dspark on
                    "vLLM's CPU build cannot run (no Triton CPU backend), and serve-check does not serve it on a GPU "
                    "yet; tests/e2e/interop/test_vllm_dspark.py runs vLLM's own Qwen3DSparkModel class on such an "
                    "export instead")
+
+
+def dflash2_subject(kind: str) -> Subject:
+    """A DFlash2 folder (architecture DFlash2DraftModel): vLLM 0.32 drafts its candidate selector only in its V2
+    model runner (vllm/config/vllm.py refuses "DFlash candidate-head drafts" on V1), which needs Triton, and the
+    CPU build has none; on a GPU, this command does not read DFlash2 as vLLM does yet (tests/e2e/interop/
+    test_vllm_dflash2.py holds vLLM's own DFlash2 class to ours instead)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return Subject("dflash", kind, unjudged="a DFlash2 folder (DFlash2DraftModel): serve-check does not read "
+                       "DFlash2 as vLLM does yet")
+    return Subject("dflash", kind, not_here="a DFlash2 folder (DFlash2DraftModel): vLLM serves its candidate "
+                   "selector only with its V2 model runner, which needs a Triton backend that vLLM's CPU build "
+                   "lacks (its V1 runner refuses DFlash candidate-head drafts); run on a GPU")
 
 
 def mixed_layers_not_here(layer_types: list[str]) -> str | None:

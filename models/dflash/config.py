@@ -144,6 +144,21 @@ class DFlashConfig:
     """The verifier's layer count (checks target_layer_ids; written into the export); null: the verifier's."""
     vocab_size: int | None = None
     """The verifier's vocabulary size (the drafter's logits are the verifier's lm_head); null: the verifier's."""
+    variant: Literal["dflash", "dflash2"] = "dflash"
+    """`dflash`: the DFlash drafter; `dflash2`: DFlash2 (models/dflash2/), the same layers with a grouped dynamic
+    convolution around each attention and MLP (causal within the block) and a candidate selector that re-ranks the
+    lm_head's top `selector_top_k` tokens at each block position by the token drafted before it (vLLM's
+    `DFlash2DraftModel`, qwen3_dflash2.py)."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each grouped convolution (block position j mixes positions j-taps+1 .. j of its block)."""
+    conv_group_size: int = 16
+    """dflash2: hidden channels sharing one token-dependent kernel coefficient; must divide hidden_size."""
+    selector_rank: int = 256
+    """dflash2: rank of the candidate selector's predecessor / successor codebooks (V x rank each)."""
+    selector_top_k: int = 16
+    """dflash2: candidates per block position, the lm_head's top-k, that the selector re-ranks."""
+    selector_loss_weight: float = 1.0
+    """dflash2, training: weight of the selector's cross-entropy over the top-k candidates (added to the `loss`)."""
 
     def __post_init__(self):
         for key in ("num_hidden_layers", "num_anchors"):
@@ -166,14 +181,38 @@ class DFlashConfig:
             raise DFlashError(f"dflash.hidden_act={self.hidden_act!r}: expected {' or '.join(HIDDEN_ACTS)} (vLLM's "
                               "DFlash drafter, qwen3_dflash, builds its MLP with SiluAndMul and serves no other "
                               "activation) or null for the verifier's")
-        for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl", "dpace"))):
+        for key, allowed in (("targets", ("data", "verifier")), ("loss", ("ce", "kl", "dpace")),
+                             ("variant", ("dflash", "dflash2"))):
             if getattr(self, key) not in allowed:
                 raise DFlashError(f"dflash.{key}={getattr(self, key)!r}: expected one of {', '.join(allowed)}")
+        if self.variant == "dflash2" and self.markov_rank is not None:
+            raise DFlashError(f"dflash.markov_rank={self.markov_rank} with dflash.variant=dflash2: DSpark's Markov head "
+                              "and DFlash2's candidate selector are two drafters (vLLM serves them as two "
+                              "architectures); set one of them")
         if self.confidence_head and self.markov_rank is None:
             raise DFlashError("dflash.confidence_head=true needs dflash.markov_rank (the confidence head belongs to "
                               "a DSpark drafter: vLLM builds it only beside the Markov head)")
         if not (isinstance(self.confidence_weight, (int, float)) and self.confidence_weight >= 0):
             raise DFlashError(f"dflash.confidence_weight={self.confidence_weight}: expected a number >= 0")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                raise DFlashError(f"dflash.{key}={getattr(self, key)}: expected a positive integer")
+        if not self.selector_loss_weight >= 0:
+            raise DFlashError(f"dflash.selector_loss_weight={self.selector_loss_weight}: expected a number >= 0")
+        if self.variant == "dflash2":
+            if self.conv_kernel_size > self.block_size:
+                raise DFlashError(f"dflash.conv_kernel_size={self.conv_kernel_size}: expected at most block_size "
+                                  f"({self.block_size}); a tap past the block start reads nothing")
+            if self.hidden_size is not None and self.hidden_size % self.conv_group_size:
+                raise DFlashError(f"dflash.conv_group_size={self.conv_group_size}: expected a divisor of hidden_size "
+                                  f"({self.hidden_size})")
+            if self.vocab_size is not None and self.selector_top_k > self.vocab_size:
+                raise DFlashError(f"dflash.selector_top_k={self.selector_top_k}: expected at most the vocabulary "
+                                  f"({self.vocab_size})")
+            if self.draft_vocab_size is not None:
+                raise DFlashError(f"dflash.draft_vocab_size={self.draft_vocab_size} with variant dflash2: the "
+                                  "candidate selector ranks the verifier's whole vocabulary (vLLM's DFlash2 and "
+                                  "speculators' take no draft vocabulary); set dflash.draft_vocab_size=null")
         if self.dpace_alpha is not None and not 0 < self.dpace_alpha <= 1:
             raise DFlashError(f"dflash.dpace_alpha={self.dpace_alpha}: expected a number in (0, 1] (the confidence "
                               "smoothing of loss dpace)")

@@ -119,12 +119,17 @@ class DFlashDrafter(Placed, nn.Module):
     bare model, then `attach(verifier)` to read its embedding and lm_head)."""
 
     placed_by = "fc"
+    variant = "dflash"
+    """The dflash.variant this class builds (a subclass builds another)."""
 
     def __init__(self, cfg: DFlashConfig, verifier=None, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
         super().__init__()
         if not cfg.resolved:
             raise DFlashError("DFlashDrafter needs a resolved config (cfg.resolve(verifier.config))")
+        if cfg.variant != self.variant:
+            raise DFlashError(f"dflash.variant={cfg.variant}: {type(self).__name__} builds variant {self.variant}; "
+                              "build it with draftheads.models.dflash2.build_drafter")
         self.cfg = cfg
         H = cfg.hidden_size
         self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
@@ -531,13 +536,14 @@ def zero_mask_warning(cfg: DFlashConfig, mask_embedding: torch.Tensor) -> str | 
 
 
 def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None,
-                  token_counts: torch.Tensor | None = None) -> DFlashDrafter:
+                  token_counts: torch.Tensor | None = None, drafter_class: type | None = None) -> DFlashDrafter:
     """A fresh drafter for `verifier` (its config resolved from the verifier's; fp32 unless `dtype`), on the
     verifier's device, reading the verifier's embedding and lm_head. Its final norm starts as the verifier's (the
     per-channel scale the verifier's lm_head is used to reading), as EAGLE-3's does. With `draft_vocab_size` set,
     its own lm_head starts as the verifier's rows of the draft vocabulary: the `draft_vocab_size` tokens most
     frequent in `token_counts` ((V,) from models.eagle.count_tokens over the training data; needed unless the
-    draft vocabulary is the whole vocabulary)."""
+    draft vocabulary is the whole vocabulary). `drafter_class`: a subclass for another dflash.variant
+    (draftheads.models.dflash2.build_drafter picks it)."""
     resolved = cfg.resolve(verifier.config, verifier.embed_tokens.weight)
     verifier.check_layer_ids([i + 1 for i in resolved.target_layer_ids], key="dflash.target_layer_ids (+1)")
     d2t = t2d = None
@@ -547,7 +553,7 @@ def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None,
             raise DFlashError(f"dflash.draft_vocab_size={Vd} < vocab {V}: pass token counts of the training data "
                               "(build_drafter(..., token_counts=count_tokens(...))) to choose the draft vocabulary")
         d2t, t2d = select_draft_vocab(torch.zeros(V, dtype=torch.long) if token_counts is None else token_counts, Vd)
-    drafter = DFlashDrafter(resolved, verifier, d2t=d2t, t2d=t2d)
+    drafter = (drafter_class or DFlashDrafter)(resolved, verifier, d2t=d2t, t2d=t2d)
     mask_row = verifier.embed_tokens.weight[resolved.mask_token_id]
     warning = blind_positions_warning(resolved, mask_row) or zero_mask_warning(resolved, mask_row)
     if warning:
@@ -556,6 +562,8 @@ def build_drafter(verifier, cfg: DFlashConfig, dtype: torch.dtype | None = None,
         drafter.norm.weight.copy_(norm_scale(verifier.norm, resolved.hidden_size))
         if resolved.init_std is not None:
             normal_init(drafter.modules(), resolved.init_std)
+        if hasattr(drafter, "reset_convolutions"):  # after init_std: DFlash2's convolutions start as the identity
+            drafter.reset_convolutions()
         if drafter.own_lm_head:  # after init_std: the head starts as the verifier's rows, whatever the layers do
             drafter.lm_head.weight.copy_(verifier.lm_head.weight.detach().float().cpu()[drafter.draft_token_ids()])
         if resolved.init_layers is not None:

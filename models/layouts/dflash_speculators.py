@@ -15,6 +15,11 @@ vLLM serves the verifier named in it and drafts `speculative_tokens` tokens a st
   weights       the vLLM layout's (bare names; no embed_tokens, no lm_head: the library rebuilds both from the
                 verifier for a whole-vocabulary drafter, and vLLM shares the verifier's).
 
+A DFlash2 drafter (dflash.variant dflash2) is written as speculators' DFlash2 format (`models/dflash2/config.py`):
+speculators_model_type and algorithm "dflash2", architectures ["DFlash2DraftModel"], and conv_kernel_size,
+conv_group_size, selector_rank, selector_top_k at the top level, which vLLM's `update_dflash2` copies into
+dflash_config (and serves as method dflash with that architecture); the weights are vLLM's DFlash2 layout's.
+
 `sliding_window_non_causal` is written out because vLLM reads it as the causality of *every* layer
 (dflash_config.causal = not sliding_window_non_causal, default true), where the library reads it for the sliding
 layers only (full layers are always bidirectional): true for a drafter without sliding layers (all bidirectional),
@@ -31,7 +36,8 @@ from draftheads.models.layouts import dflash_vllm
 from draftheads.models.layouts.eagle_speculators import FORMAT_VERSION, verifier_reference
 
 NAME = "speculators"
-CHECKED_FIELDS = ("speculators_model_type", "transformer_layer_config", "draft_vocab_size", "block_size",
+CHECKED_FIELDS = ("speculators_model_type", "architectures", "conv_kernel_size", "conv_group_size", "selector_rank",
+                  "selector_top_k", "transformer_layer_config", "draft_vocab_size", "block_size",
                   "target_hidden_size", "aux_hidden_state_layer_ids", "mask_token_id", "sliding_window_non_causal",
                   "sample_from_anchor")
 
@@ -62,12 +68,18 @@ def config(drafter, verifier, num_speculative_tokens: int | None = None) -> dict
     if k < 1:
         raise dflash_vllm.error(f"num_speculative_tokens={k}: expected at least 1")
     sliding = any(cfg.layer_type(i) == "sliding_attention" for i in range(cfg.num_hidden_layers))
+    kind, architecture, extra = "dflash", "DFlashSpeculator", {}
+    if cfg.variant == "dflash2":  # speculators' DFlash2SpeculatorConfig: its type, architecture and four fields
+        from draftheads.models.layouts import dflash2_vllm
+
+        kind, architecture, extra = "dflash2", dflash2_vllm.ARCHITECTURE, dflash2_vllm.dflash_config(cfg)
     return {
-        "architectures": ["DFlashSpeculator"],
-        "speculators_model_type": "dflash",
+        "architectures": [architecture],
+        "speculators_model_type": kind,
         "speculators_version": FORMAT_VERSION,
+        **extra,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",

@@ -110,9 +110,15 @@ def layer_config(cfg) -> dict:
 def config(drafter, verifier=None, num_speculative_tokens: int | None = None) -> dict:
     cfg = drafter.cfg
     own = {} if cfg.draft_vocab_size is None else {"draft_vocab_size": cfg.draft_vocab_size}
-    return {"architectures": [ARCHITECTURE], **layer_config(cfg), **own, "num_target_layers": cfg.num_target_layers,
+    architecture, extra = ARCHITECTURE, {}
+    if cfg.variant == "dflash2":  # DFlash2: its architecture and dflash_config fields (dflash2_vllm.py)
+        from draftheads.models.layouts import dflash2_vllm
+
+        architecture, extra = dflash2_vllm.ARCHITECTURE, dflash2_vllm.dflash_config(cfg)
+    return {"architectures": [architecture], **layer_config(cfg), **own, "num_target_layers": cfg.num_target_layers,
             "block_size": cfg.block_size,
-            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                              **extra},
             "torch_dtype": dtype_name(drafter.dtype), "dtype": dtype_name(drafter.dtype)}
 
 

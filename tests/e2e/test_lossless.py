@@ -69,18 +69,20 @@ def eagle_parallel():
     return model, SpeculativeDecoder(verifier, make_drafter("eagle", verifier, drafter, chain=3), "eagle")
 
 
-def dflash(draft_vocab_size: int | None = None):
+def dflash(draft_vocab_size: int | None = None, **variant):
     """A DFlash drafter (block 4: three drafts from one forward, each drawn from its own distribution) trained a
     few steps on the verifier's own continuations; with `draft_vocab_size`, its own lm_head over the most frequent
-    tokens of that corpus (its draft distributions zero on the others)."""
-    from draftheads.models.dflash import DFlashConfig, build_drafter
+    tokens of that corpus (its draft distributions zero on the others); `variant` (dflash.variant=dflash2 and its
+    keys): DFlash2, each draft drawn from the selector's scores after the draft before it."""
+    from draftheads.models.dflash import DFlashConfig
+    from draftheads.models.dflash2 import build_drafter
     from draftheads.models.eagle import count_tokens
 
     def build():
         model, verifier, corpus = small_vocab_eagle()
         torch.manual_seed(0)
         cfg = DFlashConfig(num_hidden_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=0,
-                           num_anchors=16, draft_vocab_size=draft_vocab_size)
+                           num_anchors=16, draft_vocab_size=draft_vocab_size, **variant)
         ids = torch.tensor([token for row in corpus for token in row])
         counts = count_tokens(ids, torch.ones_like(ids), V)
         drafter = train_eagle_briefly(build_drafter(verifier, cfg, token_counts=counts), verifier, corpus, steps=12,
@@ -133,6 +135,9 @@ CASES = {
     "dflash": Case(dflash(), PROMPT, min_deep=100),
     # its own lm_head over 12 of the 16 tokens: zero draft probability on the other four
     "dflash-own-head": Case(dflash(12), PROMPT, min_deep=100),
+    # DFlash2: drafts drawn from the top 4 of 16 candidates (zero elsewhere), each after the draw before it
+    "dflash2": Case(dflash(variant="dflash2", conv_group_size=16, selector_rank=8, selector_top_k=4), PROMPT,
+                    min_deep=100),
     "medusa-tree-sample": Case(medusa("sample"), PROMPT, first_rejected=(0.1, 0.95), lossless_flag=True),
     "medusa-tree-topk": Case(medusa("topk"), PROMPT, first_rejected=(0.1, 0.95), lossless_flag=True),
     "lookahead": Case(lookahead, PROMPT * 3, first_rejected=(0.05, 0.95)),
