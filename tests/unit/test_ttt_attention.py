@@ -270,17 +270,23 @@ def test_what_a_window_keeps_for_backward_grows_linearly_in_T():
 @pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-5), (torch.bfloat16, 0.03)])
 @pytest.mark.parametrize("packed", [False, True])
 def test_cuda_windowed_kernel_equals_the_dense_reference_without_falling_back(dtype, rtol, packed):
-    """The band goes through CUDA's memory-efficient op with a per-chunk bias; a fallback would warn, which fails."""
+    """The band goes through CUDA's memory-efficient op with a per-chunk bias: values and gradients against the
+    dense reference (float64 on the CPU); a fallback to the chunked prefix would warn, which fails here."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for step, window in ((0, 6), (3, 11), (3, 2)):
             q, keys, values = inputs(dtype, 2, step, device="cuda", T=64, seed=step)
             rows = positions(64) if packed else positions(64)[1:].expand(2, -1)
-            want = windowed_reference(*(x.detach().double().cpu().requires_grad_() for x in [q]),
-                                      [k.detach().double().cpu().requires_grad_() for k in keys],
-                                      [v.detach().double().cpu().requires_grad_() for v in values], rows, window)
+            cpu = [x.detach().double().cpu().requires_grad_() for x in (q, *keys, *values)]
+            n = len(keys)
+            want = windowed_reference(cpu[0], cpu[1:1 + n], cpu[1 + n:], rows, window)
             out = ttt_attention(q, keys, values, document_ids(rows.cuda()) if packed else None, window=window,
                                 chunk=16)
-            error = ((out.double().cpu() - want).abs().max() / want.abs().max()).item()
-            assert error <= rtol, f"out: {error:.2e} (step {step}, window {window})"
-            out.sum().backward()  # the backward runs on the fused op without a fallback
+            weights = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            got = [out.double().cpu()] + [g.double().cpu() for g in torch.autograd.grad(
+                (out.double() * weights.cuda()).sum(), [q, *keys, *values])]
+            ref = [want] + list(torch.autograd.grad((want * weights).sum(), cpu))
+            for name, a, b in zip(["out", "dq", *(f"dk{j}" for j in range(n)), *(f"dv{j}" for j in range(n))],
+                                  got, ref):
+                error = ((a - b).abs().max() / torch.maximum(b.abs().max(), want.abs().max())).item()
+                assert error <= rtol, f"{name}: {error:.2e} relative (step {step}, window {window})"
