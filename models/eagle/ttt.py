@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from draftheads.models.range_attention import range_backward, range_chunks, range_forward
+from draftheads.models.range_attention import CHUNK_ELEMENTS, range_backward, range_chunks, range_forward
 
 
 def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | None = None,
@@ -192,6 +192,15 @@ def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device, windo
     return lo, index + 1
 
 
+def _band_rows(window: int | None, B: int) -> int | None:
+    """Query rows of a fused chunk under a sliding window: about W, so a chunk's keys span about 2W and the kernel
+    (which computes its whole masked chunk) does O(T W) work, not O(T^2); capped so a chunk's bias stays within
+    range_attention.CHUNK_ELEMENTS. None (no window): range_chunks' own size."""
+    if window is None:
+        return None
+    return max(64, min(window, CHUNK_ELEMENTS // (B * 2 * window)))
+
+
 def _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale):
     """o0 (B, nh, T, d), lse0 (B, nh, T) and each chunk's kernel state, over the chunks of `plan` (`range_chunks`;
     None: one causal call over the whole row), each chunk's mask built from the ranges."""
@@ -271,7 +280,8 @@ class _TTTAttention(torch.autograd.Function):
             lse0 = torch.full((B, nh, T), float("-inf"), dtype=exact, device=q.device)
         elif prefix is not None:
             # one causal call over the row; packed rows and windows in chunks, the transient a (B, 1, c, S) bias
-            plan = None if documents is None and window is None else range_chunks(lo, hi, 1, T, chunk)
+            plan = None if documents is None and window is None else range_chunks(
+                lo, hi, 1, T, chunk or _band_rows(window, B))
             try:
                 o0, lse0, states = _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale)
             except RuntimeError as error:  # a kernel that refuses these inputs: chunked, never a (T, T) matrix
