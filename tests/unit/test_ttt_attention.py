@@ -290,3 +290,16 @@ def test_cuda_windowed_kernel_equals_the_dense_reference_without_falling_back(dt
                                   got, ref):
                 error = ((a - b).abs().max() / torch.maximum(b.abs().max(), want.abs().max())).item()
                 assert error <= rtol, f"{name}: {error:.2e} relative (step {step}, window {window})"
+
+
+def test_a_window_bounds_the_fused_kernels_work_by_T_times_W():
+    """Under a window the fused prefix is chunked so each chunk's keys span about 2W: the scores the kernel computes
+    (chunk rows x key span, summed) are O(T W), a fraction of the causal T^2 / 2 at T >> W."""
+    from draftheads.models.eagle.ttt import _band_rows, _prefix_ranges
+    from draftheads.models.range_attention import range_chunks
+
+    T, W = 16384, 512
+    lo, hi = _prefix_ranges(None, 1, T, "cpu", W, 3)
+    plan = range_chunks(lo, hi, 1, T, _band_rows(W, 1))
+    work = sum((b - a) * (key_hi - key_lo) for a, b, key_lo, key_hi in plan)
+    assert work <= 2 * T * W < T * T / 8
