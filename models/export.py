@@ -42,6 +42,7 @@ from draftheads.models.layouts import (
     eagle_sglang,
     eagle_speculators,
     eagle_vllm,
+    llama_draft,
     medusa_vllm,
 )
 from draftheads.models.layouts.folder import (
@@ -264,6 +265,12 @@ def load_eagle(folder: str | os.PathLike, verifier, check_fingerprint: bool = Tr
     for key in layout.CHECKED_FIELDS:
         if key in mine and config.get(key) != mine[key]:
             raise DrafterFormatError(f"{where}: {key} is {config.get(key)!r}; this verifier's drafter has {mine[key]!r}")
+    section = getattr(layout, "LAYER_SECTION", None)  # the sliding window, present or absent, as the engine reads it
+    theirs, ours = (config.get(section) or {}, mine[section]) if section else (config, mine)
+    for key in llama_draft.WINDOW_FIELDS:
+        if theirs.get(key) != ours.get(key):
+            raise DrafterFormatError(f"{where}: {key} is {theirs.get(key)!r}, but draftheads.eagle.sliding_window is "
+                                     f"{cfg.sliding_window!r} (expected {ours.get(key)!r})")
     fill_eagle(drafter, tensors, engine, weights)
     return drafter.to(device=verifier.device)
 

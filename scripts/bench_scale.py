@@ -133,11 +133,15 @@ class Trainer:
 
 
 EAGLE_LAYERS = ("--eagle.layer_ids=[0,1,2]",)
+SWA_WINDOW = 1024
+"""eagle3-window (opt-in, not in the default run): EAGLE-3 with eagle.sliding_window of this many positions."""
 DFLASH_LAYERS = ("--dflash.target_layer_ids=[0,1,2,3,4]",)
 TRAINERS = {
     "eagle3": Trainer("EAGLE-3", "eagle", "configs/{model}-eagle3.yaml", 3, EAGLE_LAYERS),
     "peagle": Trainer("P-EAGLE", "eagle", "configs/{model}-eagle3.yaml", 3,
                       EAGLE_LAYERS + ("--eagle.parallel=true", "--eagle.parallel_keep=[0.7,0.2]")),
+    "eagle3-window": Trainer(f"EAGLE-3, window {SWA_WINDOW}", "eagle", "configs/{model}-eagle3.yaml", 3,
+                             EAGLE_LAYERS + (f"--eagle.sliding_window={SWA_WINDOW}",)),
     "dflash": Trainer("DFlash", "dflash", "configs/qwen3-8b-dflash.yaml", 6, DFLASH_LAYERS),
     "medusa": Trainer("Medusa", "medusa", "configs/llama3-8b-medusa.yaml", 1),
     "speculators-eagle3": Trainer("speculators 0.9 EAGLE-3", "speculators-eagle3", "", 3, peer="speculators",
@@ -874,7 +878,7 @@ def markdown(doc: dict) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainers", nargs="+", default=list(OURS + PEERS), choices=list(TRAINERS),
-                   help="ours (eagle3 peagle dflash medusa) and the peers (offline only)")
+                   help="ours (eagle3 peagle dflash medusa; eagle3-window on request) and the peers (offline only)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seqs", nargs="+", type=int, help="these seq lengths only (default: the ladder 1024, 2048, ... "
                                                        "while it fits)")

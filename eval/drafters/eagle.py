@@ -117,6 +117,7 @@ class EagleTreeDrafter(Drafter):
         draft_vocab = model.draft_vocab_size if self.version == 3 else self.vocab_size
         self.draft_to_target = model.to_target_ids(torch.arange(draft_vocab, device=model.device))
         self._gqa = model.num_heads != model.num_kv_heads
+        self.sliding_window = model.cfg.sliding_window if self.version == 3 else None
         self.cache_k = self.cache_v = None
         self.mask_feature: torch.Tensor | None = None
         self._hidden: torch.Tensor | None = None
@@ -128,6 +129,8 @@ class EagleTreeDrafter(Drafter):
             d["chain"] = self.depth
         else:
             d.update(depth=self.depth, top_k=self.top_k, total_tokens=self.num_draft_tokens)
+        if self.sliding_window is not None:
+            d["sliding_window"] = self.sliding_window
         return d
 
     # ---- buffers -----------------------------------------------------------------------------------------------------
@@ -166,10 +169,12 @@ class EagleTreeDrafter(Drafter):
         return min(self.capacity, bucket(n, self.window_bucket))
 
     def forward(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
+                mask: torch.Tensor, slot_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run n new pairs through the drafter layer over its static cache. ids, positions, slots (B, n);
         hidden (B, n, H); mask (B, n, W) bool over cache slots 0..W-1, the new tokens' own slots included (their
-        keys/values are written first). Returns the drafter's outputs (B, n, H).
+        keys/values are written first). With a sliding window (eagle.sliding_window) the mask is narrowed to the
+        slots whose position, `slot_positions` (B, W) (None: the slot itself), is fewer than the window before the
+        query's, as vLLM's KV cache is. Returns the drafter's outputs (B, n, H).
 
         The same computation as `draftheads.models.eagle.EagleDrafter.forward` (the engine tests check it against that
         public API), through the layer's one public step with this drafter's own attention: keys/values go straight
@@ -179,6 +184,10 @@ class EagleTreeDrafter(Drafter):
         m = self.model
         B, n = ids.shape
         W = mask.shape[-1]
+        if self.sliding_window is not None:
+            if slot_positions is None:
+                slot_positions = torch.arange(W, device=mask.device)[None]
+            mask = mask & (positions[:, :, None] - slot_positions[:, None, :] < self.sliding_window)
 
         def attend(q, k, v):  # q (B, nh, n, d), k/v (B, nkv, n, d), RoPE applied
             self.cache_k[self.rows, :, slots] = k.transpose(1, 2)  # (B, n, nkv, d)
@@ -306,6 +315,9 @@ class EagleTreeDrafter(Drafter):
         # own_slot[d-1, i]: the one-hot of frontier node i's slot at depth d, (D-1, k, S).
         own_slot = torch.arange(max(S, 1), device=dev) == (torch.arange(D - 1, device=dev)[:, None, None] * k
                                                              + ar_k[None, :, None])
+        # each slot's position: the prefix's slot = position; frontier level d's k slots sit at position L+d-1
+        j = torch.arange(W, device=dev)[None]
+        slot_positions = torch.where(j < L[:, None], j, L[:, None] + (j - L[:, None]).div(k, rounding_mode="floor"))
         for d in range(1, D):
             # Run the frontier (depth d, positions L+d-1) through the drafter: k nodes in one forward.
             slots = L[:, None] + (d - 1) * k + ar_k  # (B, k)
@@ -314,7 +326,8 @@ class EagleTreeDrafter(Drafter):
             # 2026-12-04); an eager CUDA run pays a host-to-device copy for it at every level.
             front_anc = front_anc | own_slot[d - 1]
             mask = tree_attention_mask(L, front_anc, W)  # (B, k, W): prefix + ancestors-or-self draft slots
-            out = self.forward(front_tok, front_hidden, (L + d - 1)[:, None].expand(B, k), slots, mask)
+            out = self.forward(front_tok, front_hidden, (L + d - 1)[:, None].expand(B, k), slots, mask,
+                               slot_positions)
             logp = torch.log_softmax(m.logits(out).float(), -1)  # (B, k, V')
             child_lp, child_id = logp.topk(k, -1)  # (B, k, k)
             cum = (front_score[..., None] + child_lp).flatten(1)  # (B, k*k) cumulative draft log-prob

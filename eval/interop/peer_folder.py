@@ -148,6 +148,7 @@ def _trained_draftheads(ins: Inspection, config: dict, tensors: dict, verifier) 
     t.layer_ids, t.layer_ids_from = list(meta.get("layer_ids") or []), "the draftheads block's layer_ids"
     for name in NORM_FLAGS:
         setattr(t, name, bool(eagle.get(name, False)))
+    t.sliding_window = eagle.get("sliding_window")
     t.own_embedding = False
     try:  # our own loader compares config.json with the record field by field
         load_eagle(ins.folder, verifier, check_fingerprint=False)
@@ -168,6 +169,10 @@ def _trained_speculators(ins: Inspection, config: dict, tensors: dict, verifier)
     for name in ("norm_before_fc", "fc_norm", "norm_output"):
         setattr(t, name, bool(config.get(name, False)))
     t.own_embedding = bool(config.get("embed_requires_grad", False))
+    if t.sliding_window is not None and config.get("speculators_model_type") == "eagle3":
+        ins.notes.append(f"sliding_window {t.sliding_window}: speculators' EAGLE-3 trainer windows draft step k from "
+                         "the stream position t, vLLM (and draftheads) from the step's own position t+k, so steps "
+                         "after the first were trained seeing up to k more prefix tokens than they are served")
     verifier_path = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
     if verifier_path and not Path(str(verifier_path)).exists():
         ins.notes.append(f"speculators_config names verifier {verifier_path!r}, which is not here: "
@@ -237,6 +242,10 @@ def compare(served: Reading, trained: Reading) -> list[Finding]:
         if getattr(served, name) != getattr(trained, name):
             out.append(Finding(name, str(getattr(served, name)).lower(), str(getattr(trained, name)).lower(),
                                f"write {name}: {str(getattr(trained, name)).lower()}"))
+    if served.sliding_window != trained.sliding_window:
+        out.append(Finding("sliding_window", f"{served.sliding_window or 'none (full attention)'}",
+                           f"{trained.sliding_window or 'none (full attention)'}",
+                           "write layer_types and sliding_window as trained"))
     if served.own_embedding and not trained.own_embedding:
         out.append(Finding("embed_tokens.weight", "the file's copy of the verifier's embedding as the drafter's own "
                            "(it is not equal to the verifier's, e.g. rounded to bf16)",

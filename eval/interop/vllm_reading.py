@@ -79,6 +79,8 @@ class Reading:
     parallel: bool = False
     """Parallel drafting (P-EAGLE): served with `parallel_drafting: true`, `mask_hidden` read."""
     mask_token_id: int | None = None
+    sliding_window: int | None = None
+    """The layer's sliding window (layer_types[0] "sliding_attention" with `sliding_window`); None: full attention."""
 
     @property
     def draft_vocab_size(self) -> int | None:
@@ -95,7 +97,8 @@ class Reading:
         flags = {name: getattr(self, name) for name in NORM_FLAGS if name in EAGLE_FIELDS}
         cfg = EagleConfig(version=3, layer_ids=list(self.layer_ids), draft_vocab_size=None,
                           qkv_bias=self.attention_bias, init_from_verifier=False, parallel=self.parallel,
-                          mask_token_id=self.mask_token_id if self.parallel else None, **flags)
+                          mask_token_id=self.mask_token_id if self.parallel else None,
+                          sliding_window=self.sliding_window, **flags)
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in self.weights.items()}
         d2t, t2d = None, None
         if self.d2t is not None and self.d2t.numel() < verifier.vocab_size:
@@ -242,6 +245,8 @@ def vllm_reading(config: dict, tensors: dict[str, torch.Tensor], verifier, paral
                       num_layers=int(layer.get("num_hidden_layers", 1)), layer=layer_fields(layer),
                       attention_bias=bool(layer.get("attention_bias", False)), parallel=parallel,
                       mask_token_id=config.get("mask_token_id") if parallel else None, **flags)
+    if (layer.get("layer_types") or [None])[0] == "sliding_attention":  # llama.py: the draft layer is index 0
+        reading.sliding_window = layer.get("sliding_window")
     if eagle_config.get("use_aux_hidden_state") is False:
         reading.refused = "eagle_config.use_aux_hidden_state is false: vLLM builds no fc"
     weights = {}

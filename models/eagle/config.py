@@ -81,6 +81,11 @@ class EagleConfig:
     norm_output: bool = False
     """EAGLE 3.1: the hidden handed to the next draft step is the final norm's output, not the pre-norm one (vLLM
     `norm_output`)."""
+    sliding_window: int | None = None
+    """EAGLE-3: the drafter layer attends only to the last `sliding_window` positions, the query's own included (as
+    vLLM and flash-attn count a window), in training (each TTT step by its own position) and at decode; written into
+    the export as layer_types ["sliding_attention"] + sliding_window, which vLLM and the speculators library read.
+    null: full attention."""
     checkpoint_layers: bool = False
     """EAGLE-3 training: keep only each TTT step's layer inputs and outputs and run its layer pass again in the
     backward (activation checkpointing): less memory, one more forward of the layer per step."""
@@ -130,6 +135,15 @@ class EagleConfig:
         if self.align_topk is not None and self.version != 3:
             raise EagleError(f"eagle.align_topk={self.align_topk} is an EAGLE-3 option; eagle.version is "
                              f"{self.version}")
+        if self.sliding_window is not None:
+            if isinstance(self.sliding_window, bool) or int(self.sliding_window) != self.sliding_window \
+                    or self.sliding_window < 1:
+                raise EagleError(f"eagle.sliding_window={self.sliding_window!r}: expected a whole number of positions "
+                                 ">= 1, or null for full attention")
+            self.sliding_window = int(self.sliding_window)
+            if self.version != 3:
+                raise EagleError(f"eagle.sliding_window={self.sliding_window} is an EAGLE-3 option; eagle.version is "
+                                 f"{self.version}")
         for key in ("parallel", "fc_norm", "norm_output", "freeze_lm_head", "checkpoint_layers"):
             if getattr(self, key) and self.version != 3:
                 raise EagleError(f"eagle.{key}=true is an EAGLE-3 option; eagle.version is {self.version}")

@@ -157,6 +157,14 @@ class EagleDrafter(Placed, nn.Module):
         elif attention_mask is not None and attention_mask.shape[-2:] != (N, past + N):
             raise EagleError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
                              f"(B, 1, {N}, {past + N}) for {N} new tokens after {past} cached ones")
+        window = self.cfg.sliding_window
+        if window is not None:  # the cache holds positions 0..past-1, then the new tokens at their position_ids
+            key_pos = torch.cat([torch.arange(past, device=input_ids.device).expand(B, past), position_ids], 1)
+            near = (position_ids[:, :, None] - key_pos[:, None, :] < window)[:, None]  # (B, 1, N, past+N)
+            if attention_mask is None:
+                attention_mask = torch.ones(N, past + N, dtype=torch.bool, device=input_ids.device).tril(past)
+            attention_mask = (attention_mask & near if attention_mask.dtype == torch.bool
+                              else attention_mask.masked_fill(~near, float("-inf")))
         kv = []
 
         def attend(q, k, v):  # the cache is this call's: the past keys/values, then the new ones
@@ -240,7 +248,8 @@ class EagleDrafter(Placed, nn.Module):
 
         def attend(q, k, v):
             kv.extend((k, v))
-            return ttt_attention(q, [*keys, k], [*values, v], documents).transpose(1, 2).reshape(B, T, -1)
+            out = ttt_attention(q, [*keys, k], [*values, v], documents, window=self.cfg.sliding_window)
+            return out.transpose(1, 2).reshape(B, T, -1)
 
         out = self.step(input_ids, hidden, position_ids, attend)
         return out, kv[0], kv[1]

@@ -6,6 +6,11 @@ that returns its output and log-sum-exp (the CPU's flash kernel; on CUDA the fla
 query's own chain (k scores) is merged with it by the log-sum-exp, and the backward reruns the prefix kernel's
 backward. Packed rows pass per-token document ids, from which each chunk's mask is built where it is needed; nothing
 (T, T) is kept, not even the mask.
+
+A sliding window W (`eagle.sliding_window`) is counted as vLLM serves it: a query at position p sees the keys at
+positions p-W+1 .. p (W keys, itself included; flash-attn's window (W-1, 0)). Step k's query at stream position t
+sits at position t+k, so it sees the prefix keys s >= t+k-W+1 and the chain keys of steps j > k-W (key t at
+position t+j): the band narrows by one key a step, exactly as the drafter's KV cache looks to it at decode.
 """
 
 from __future__ import annotations
@@ -15,34 +20,40 @@ from typing import Literal
 
 import torch
 
-from draftheads.models.range_attention import range_backward, range_chunks, range_forward
+from draftheads.models.range_attention import CHUNK_ELEMENTS, range_backward, range_chunks, range_forward
 
 
 def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | None = None,
-                       prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       prefix_mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """(T, (step+1)T) bool, True = attend: step `step`'s queries over keys [step 0 | step 1 | ... | step `step`].
 
     Query t sees step-0 keys s <= t (causal; `prefix_mask` (..., T, T) instead, e.g. causal inside each packed
-    document) and, for each later step j <= step, only key t (its own chain). The definition, for tests and
-    references: `ttt_attention` computes the same attention without it.
+    document) and, for each later step j <= step, only key t (its own chain). With a sliding `window` W (module
+    docstring), only the keys within W positions of the query's t + step: s > t + step - W, and j > step - W. The
+    definition, for tests and references: `ttt_attention` computes the same attention without it.
     """
     causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
     if prefix_mask is not None:
         causal = prefix_mask
     diagonal = torch.eye(seq_len, dtype=torch.bool, device=device).expand(*causal.shape[:-2], -1, -1)
+    if window is not None:
+        t = torch.arange(seq_len, device=device)
+        causal = causal & (t[None, :] > t[:, None] + step - window)
+        return torch.cat([causal] + [diagonal & (step - j < window) for j in range(1, step + 1)], dim=-1)
     return torch.cat([causal] + [diagonal] * step, dim=-1)
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   documents: torch.Tensor | None = None, *, kernel: Literal["fused", "chunked"] = "fused",
-                  chunk: int | None = None) -> torch.Tensor:
+                  chunk: int | None = None, window: int | None = None) -> torch.Tensor:
     """Step k >= 0 of the TTT attention, (B, nh, T, d): what SDPA over [K_0 | ... | K_k] with `ttt_attention_mask`
     gives, without the (k+1)T-wide score matrix, in memory linear in T (step 0: causal attention over K_0).
 
     q (B, nh, T, d) (RoPE applied); keys, values: k+1 tensors (B, nkv, T, d), step 0 first (nh a multiple of nkv).
     documents (B, T) int, the document id of each token of packed rows (`data.documents.document_ids`; documents
     are contiguous): the prefix is causal inside each document, and a position's own chain is in its document.
-    None: one document per row.
+    None: one document per row. window: a sliding window of W positions (module docstring); None: full attention.
+    A window that covers the row (W >= T + k) is full attention and takes its path.
 
     kernel "fused": the device's attention kernel over the prefix (CPU: SDPA's flash kernel; CUDA: the flash kernel
     for bf16/fp16 rows of one document, else the memory-efficient one), "chunked" where the device has none or it
@@ -53,7 +64,12 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     """
     if kernel not in ("fused", "chunked"):
         raise ValueError(f"ttt_attention: kernel={kernel!r}; expected 'fused' or 'chunked'")
-    return _TTTAttention.apply(q.contiguous(), documents, kernel, chunk, keys[0], values[0], *keys[1:], *values[1:])
+    if window is not None and window < 1:
+        raise ValueError(f"ttt_attention: window={window}; expected at least 1 position or None")
+    if window is not None and window >= q.shape[2] + len(keys) - 1:
+        window = None  # every key in reach: full attention, its faster path
+    return _TTTAttention.apply(q.contiguous(), documents, kernel, chunk, window, keys[0], values[0], *keys[1:],
+                               *values[1:])
 
 
 # ---- the prefix kernels: (output, log-sum-exp) of attention over the step-0 prefix, and its backward ---------------
@@ -160,15 +176,29 @@ def _fused_prefix(device: torch.device):
     return {"cpu": _CpuFlashPrefix, "cuda": _CudaPrefix}.get(device.type)
 
 
-def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device, window: int | None = None, step: int = 0
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi) (B, T): query t sees the step-0 keys lo_t <= s < t + 1, lo_t the start of its document (documents are
-    contiguous; 0 for one document a row)."""
+    contiguous; 0 for one document a row), or with a sliding window W at step k, the later of that and t+k-W+1."""
     index = torch.arange(T, device=device).expand(B, T)
     if documents is None:
-        return torch.zeros_like(index), index + 1
-    start = torch.ones_like(documents, dtype=torch.bool)
-    start[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    return torch.where(start, index, 0).cummax(-1).values, index + 1
+        lo = torch.zeros_like(index)
+    else:
+        start = torch.ones_like(documents, dtype=torch.bool)
+        start[:, 1:] = documents[:, 1:] != documents[:, :-1]
+        lo = torch.where(start, index, 0).cummax(-1).values
+    if window is not None:
+        lo = torch.maximum(lo, index + (step - window + 1))
+    return lo, index + 1
+
+
+def _band_rows(window: int | None, B: int) -> int | None:
+    """Query rows of a fused chunk under a sliding window: about W, so a chunk's keys span about 2W and the kernel
+    (which computes its whole masked chunk) does O(T W) work, not O(T^2); capped so a chunk's bias stays within
+    range_attention.CHUNK_ELEMENTS. None (no window): range_chunks' own size."""
+    if window is None:
+        return None
+    return max(64, min(window, CHUNK_ELEMENTS // (B * 2 * window)))
 
 
 def _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale):
@@ -234,16 +264,24 @@ class _TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, documents, kernel, chunk, k0, v0, *chain):
+    def forward(ctx, q, documents, kernel, chunk, window, k0, v0, *chain):
         B, nh, T, d = q.shape
         nkv = k0.shape[1]
         G, n, scale = nh // nkv, len(chain) // 2, d ** -0.5
-        prefix = _fused_prefix(q.device) if kernel == "fused" else None
-        lo, hi = _prefix_ranges(documents, B, T, q.device)
+        exact = torch.promote_types(q.dtype, torch.float32)
+        # a window of W <= k positions leaves step k no prefix key at all (t+k-W+1 > t), else every query some
+        empty = window is not None and window <= n
+        prefix = _fused_prefix(q.device) if kernel == "fused" and not empty else None
+        lo, hi = _prefix_ranges(documents, B, T, q.device, window, n)
         o0 = None
-        if prefix is not None:
-            # one causal call over the row; packed rows in chunks, the transient a (B, 1, c, S) bias
-            plan = None if documents is None else range_chunks(lo, hi, 1, T, chunk)
+        if empty:
+            plan = states = None
+            o0 = torch.zeros_like(q, dtype=exact)
+            lse0 = torch.full((B, nh, T), float("-inf"), dtype=exact, device=q.device)
+        elif prefix is not None:
+            # one causal call over the row; packed rows and windows in chunks, the transient a (B, 1, c, S) bias
+            plan = None if documents is None and window is None else range_chunks(
+                lo, hi, 1, T, chunk or _band_rows(window, B))
             try:
                 o0, lse0, states = _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale)
             except RuntimeError as error:  # a kernel that refuses these inputs: chunked, never a (T, T) matrix
@@ -251,11 +289,12 @@ class _TTTAttention(torch.autograd.Function):
         if o0 is None:
             prefix, plan, states = None, range_chunks(lo, hi, nh, T, chunk), None
             o0, lse0 = range_forward(q, k0, v0, lo, hi, scale, plan)
-        exact = torch.promote_types(q.dtype, torch.float32)
         lse0 = lse0.to(exact).view(B, nkv, G, T)  # heads h = j * G + g share kv head j
         if n:
             q5 = q.to(exact).view(B, nkv, G, T, d)
             own = torch.stack([(q5 * k.to(exact)[:, :, None]).sum(-1) for k in chain[:n]], -1).mul_(scale)
+            if window is not None and window < n:  # chain key j (step j+1) is n-1-j positions back
+                own[..., :n - window] = float("-inf")
             lse = torch.logaddexp(lse0, torch.logsumexp(own, -1))  # (B, nkv, G, T)
             weight0 = (lse0 - lse).exp_()  # the prefix block's share of the softmax
             p_own = own.sub_(lse[..., None]).exp_()  # (B, nkv, G, T, k)
@@ -268,6 +307,7 @@ class _TTTAttention(torch.autograd.Function):
             out = o0.to(q.dtype)
         ctx.save_for_backward(q, documents, k0, v0, lse0, weight0, p_own, out, *chain)
         ctx.prefix, ctx.plan, ctx.states, ctx.chunk = prefix, plan, states, chunk  # prefix None: range_attention's
+        ctx.window, ctx.empty = window, empty
         return out
 
     @staticmethod
@@ -280,9 +320,11 @@ class _TTTAttention(torch.autograd.Function):
         d5 = d_out.to(exact).reshape(B, nkv, G, T, d)
         upstream = d5 if weight0 is None else d5 * weight0[..., None]
         upstream, lse0 = upstream.view(B, nh, T, d), lse0.view(B, nh, T)
-        lo, hi = _prefix_ranges(documents, B, T, q.device)
+        lo, hi = _prefix_ranges(documents, B, T, q.device, ctx.window, n)
         dq = None
-        if ctx.prefix is not None:
+        if ctx.empty:  # no prefix key: the chain's terms alone
+            dq, dk0, dv0 = torch.zeros_like(q, dtype=exact), torch.zeros_like(k0), torch.zeros_like(v0)
+        elif ctx.prefix is not None:
             try:
                 dq, dk0, dv0 = _fused_backward(ctx.prefix, ctx.plan, ctx.states, upstream, q, k0, v0, out, lse0, lo,
                                                hi, scale)
@@ -302,4 +344,4 @@ class _TTTAttention(torch.autograd.Function):
                 ds = ((d5 * v).sum(-1) - rows) * p * scale  # (B, nkv, G, T)
                 dq5 += ds[..., None] * k
                 d_keys.append((ds[..., None] * q5).sum(2).to(chain[j].dtype))
-        return (dq.to(q.dtype), None, None, None, dk0.to(k0.dtype), dv0.to(v0.dtype), *d_keys, *d_values)
+        return (dq.to(q.dtype), None, None, None, None, dk0.to(k0.dtype), dv0.to(v0.dtype), *d_keys, *d_values)

@@ -10,7 +10,8 @@
     true` would build q/k/v/o biases that no tensor fills (found by running SGLang 0.5.23's own loader).
   - EAGLE-3 (0.5.23): layer 0's qkv_proj is built without a bias and the loader skips unknown names, so q/k/v
     biases would be dropped silently: refused (`check`), and left out by default for this engine (`resolve`).
-    There is no `norm_before_residual` (the residual is always the un-normed fc output): refused when true.
+    There is no `norm_before_residual` (the residual is always the un-normed fc output): refused when true. Its
+    Llama attention takes no sliding window (no layer_types read): eagle.sliding_window is refused.
     The loader never reports a missing weight.
 """
 
@@ -36,6 +37,10 @@ def check(cfg, qkv_bias: bool | None = None) -> None:
         if getattr(cfg, key):
             raise EagleError(f"eagle.{key}=true with engine sglang: SGLang's EAGLE-3 (0.5.23) has no such option "
                              f"and would serve the drafter without it; export for engine vllm")
+    if cfg.sliding_window is not None:
+        raise EagleError(f"eagle.sliding_window={cfg.sliding_window} with engine sglang: SGLang's Llama attention (the "
+                         "EAGLE-3 draft layer) builds its RadixAttention without a window and reads no layer_types, so "
+                         "the drafter would be served with full attention; export for engine vllm or speculators")
     if cfg.norm_before_residual:
         raise EagleError("eagle.norm_before_residual=true with engine sglang: SGLang's EAGLE-3 has no such option "
                          "(its residual is always the un-normed fc output), so the drafter would be served wrong; "

@@ -10,8 +10,10 @@ the speculators library loads it with its own classes (`Eagle3DraftModel.from_pr
                 speculative_tokens K, verifier_accept_k 1, accept_tolerance 0.0}], default_proposal_method "greedy",
                 verifier {name_or_path, architectures}}, transformer_layer_config (the one Llama layer, with
                 model_type "llama"), draft_vocab_size, target_hidden_size, eagle_aux_hidden_state_layer_ids (top
-                level, our ids: the inputs of those layers), and every norm flag written out: norm_before_residual
-                (vLLM reads a *missing* one as true here), norm_before_fc (false), fc_norm, norm_output (EAGLE 3.1).
+                level, our ids: the inputs of those layers; a sliding window as layer_types + sliding_window inside
+                transformer_layer_config, where vLLM and the library read it), and every norm flag written out:
+                norm_before_residual (vLLM reads a *missing* one as true here), norm_before_fc (false), fc_norm,
+                norm_output (EAGLE 3.1).
   weights       embed_tokens.weight (the verifier's, so the library computes our logits without being handed the
                 verifier's embeddings by hand), layers.0.*, fc.weight, norm.weight, lm_head.weight [Vd, H], and d2t
                 (int64 offsets) + t2d (bool) only with a pruned draft vocabulary (the library registers them only
@@ -37,6 +39,8 @@ FORMAT_VERSION = "0.9.0"
 CHECKED_FIELDS = ("speculators_model_type", "draft_vocab_size", "target_hidden_size",
                   "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "fc_norm", "norm_output")
 EMBEDDING = "embed_tokens.weight"
+LAYER_SECTION = "transformer_layer_config"
+"""Where the layer's own fields (its sliding window among them) sit in config.json."""
 
 
 def check(cfg, qkv_bias: bool | None = None) -> None:

@@ -3,6 +3,9 @@ and SGLang both build for an EAGLE drafter whatever the verifier's family (Llama
 
   - config fields: the layer's dims, activation, norm eps, rope (both `rope_theta`/`rope_scaling` and
     transformers 5's `rope_parameters`), vocab_size (the verifier's), token ids, dtype.
+  - sliding window (eagle.sliding_window): `layer_types` ["sliding_attention"] and `sliding_window` W, a query
+    seeing the W positions up to its own; vLLM's Llama layer reads them (its EAGLE-3 drafter indexes layer_types
+    from 0 for the draft layer), the speculators library from transformer_layer_config.
   - biases: the engines' Llama attention takes one flag (`attention_bias`) for q/k/v *and* o_proj, so a family with
     q/k/v biases only (Qwen2) is written with attention_bias true and a zero `o_proj.bias`; every bias the engine
     expects but the drafter lacks is written as zeros (and must be zero when read back).
@@ -16,6 +19,9 @@ from draftheads.models.dtypes import dtype_name
 
 LAYER = "layers.0."
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+WINDOW_FIELDS = ("layer_types", "sliding_window")
+"""The layer's sliding window as vLLM (`llama.py`: layer_types[i] == "sliding_attention" takes `sliding_window`) and
+the speculators library read it; written only for a windowed drafter, so a full-attention export is unchanged."""
 
 
 def bias_layout(drafter) -> tuple[bool, bool]:
@@ -33,7 +39,10 @@ def config(drafter) -> dict:
     rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     if rope_scaling.get("rope_type", "default") == "default":
         rope_scaling = None
+    window = getattr(drafter.cfg, "sliding_window", None)
+    windowed = {} if window is None else {"layer_types": ["sliding_attention"], "sliding_window": window}
     return {
+        **windowed,
         "model_type": "llama",
         "hidden_size": drafter.hidden_size,
         "intermediate_size": drafter.layer.mlp.gate_proj.out_features,

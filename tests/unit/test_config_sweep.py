@@ -65,6 +65,7 @@ EXTRA: dict[str, tuple[str | tuple[str, ...], ...]] = {
     "eagle.init_std": ("0",),
     "eagle.parallel_keep": ("[0.7]", "[0, 0.2]", "[0.7, 1.5]"),
     "eagle.align_topk": ("0",),
+    "eagle.sliding_window": ("0",),
     "medusa.num_heads": ("0", "100000"),
     "medusa.decay": ("0", "1.5"),
     "medusa.lora_r": ("0",),

@@ -235,3 +235,27 @@ def test_a_fix_never_drops_trained_lm_head_rows(verifier, tmp_path):
     with pytest.raises(PeerFolderError, match=r"d2t maps 150 draft ids but lm_head.weight has 200 rows"):
         fix(inspect(folder, verifier), tmp_path / "fixed", verifier)
     assert not (tmp_path / "fixed").exists()
+
+
+def test_a_sliding_window_is_read_carried_and_its_count_noted(verifier, tmp_path):
+    """A speculators checkpoint of a windowed EAGLE-3: vLLM's reading and the trained one hold the window, the fix
+    keeps it (our engine then decodes windowed, as vLLM serves), a note says speculators' trainer counts the window
+    of later draft steps from another position; a window dropped from our own export is a finding."""
+    d = drafter(verifier)
+    d.cfg.sliding_window = 6
+    folder = speculators_folder(d, verifier, tmp_path / "sp", dtype=torch.float32)
+    ins = inspect(folder, verifier)
+    assert (ins.served.sliding_window, ins.trained.sliding_window) == (6, 6) and findings(ins) == []
+    assert any("sliding_window 6: speculators' EAGLE-3 trainer windows draft step k" in n for n in ins.notes)
+    out = fix(ins, tmp_path / "fixed", verifier)
+    assert load_eagle(out, verifier).cfg.sliding_window == 6
+    assert inspect(out, verifier).served.drafter(verifier).cfg.sliding_window == 6
+    ours = export_eagle(d, tmp_path / "ours", verifier)
+    config = json.loads((ours / "config.json").read_text())
+    del config["layer_types"], config["sliding_window"]
+    (ours / "config.json").write_text(json.dumps(config))
+    ins = inspect(ours, verifier)
+    lines = {f.key: f for f in findings(ins)}
+    assert {"config.json", "sliding_window"} <= set(lines)
+    assert (lines["sliding_window"].vllm, lines["sliding_window"].trained) == ("none (full attention)", "6")
+    assert load_eagle(fix(ins, tmp_path / "refixed", verifier), verifier).cfg.sliding_window == 6
