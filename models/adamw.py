@@ -76,17 +76,21 @@ class CompactAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.state_dtype,
-                                                           memory_format=torch.contiguous_format)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
                 state["step"] += 1
                 step = int(state["step"].item())
                 p.mul_(1 - lr * group["weight_decay"])
-                _update_(p, p.grad, state["exp_avg"], state["exp_avg_sq"], lr=lr, beta1=beta1, beta2=beta2,
-                         eps=eps, step=step, chunk=self.chunk,
-                         generator=_noise(self.seed, index, step, p.device) if self.state_dtype == torch.bfloat16
-                         else None)
+                noise = _noise(self.seed, index, step, p.device) if self.state_dtype == torch.bfloat16 else None
+                _update_(*map(_local, (p, p.grad, state["exp_avg"], state["exp_avg_sq"])), lr=lr, beta1=beta1,
+                         beta2=beta2, eps=eps, step=step, chunk=self.chunk, generator=noise)
         return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this process (FSDP2 shards a parameter, its gradient and the state made like it alike),
+    else the tensor: the update is elementwise, so each process updates its own shard."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _noise(seed: int, index: int, step: int, device: torch.device) -> torch.Generator:
