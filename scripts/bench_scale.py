@@ -140,6 +140,8 @@ TRAINERS = {
     "peagle": Trainer("P-EAGLE", "eagle", "configs/{model}-eagle3.yaml", 3,
                       EAGLE_LAYERS + ("--eagle.parallel=true", "--eagle.parallel_keep=[0.7,0.2]")),
     "dflash": Trainer("DFlash", "dflash", "configs/qwen3-8b-dflash.yaml", 6, DFLASH_LAYERS),
+    "dflash-ckpt": Trainer("DFlash, checkpointed layers", "dflash", "configs/qwen3-8b-dflash.yaml", 6,
+                           DFLASH_LAYERS + ("--dflash.checkpoint_layers=true",)),
     "medusa": Trainer("Medusa", "medusa", "configs/llama3-8b-medusa.yaml", 1),
     "speculators-eagle3": Trainer("speculators 0.9 EAGLE-3", "speculators-eagle3", "", 3, peer="speculators",
                                   features=("offline",)),
@@ -884,7 +886,8 @@ def markdown(doc: dict) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainers", nargs="+", default=list(OURS + PEERS), choices=list(TRAINERS),
-                   help="ours (eagle3 peagle dflash medusa) and the peers (offline only)")
+                   help="ours (eagle3 peagle dflash medusa; dflash-ckpt: DFlash with dflash.checkpoint_layers) and "
+                        "the peers (offline only)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seqs", nargs="+", type=int, help="these seq lengths only (default: the ladder 1024, 2048, ... "
                                                        "while it fits)")
