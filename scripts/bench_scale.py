@@ -26,7 +26,8 @@ at these shapes). `features: offline` reads a feature cache of random bf16 featu
 Each trainer runs its config at these shapes (`configs/<model>-eagle3.yaml`; P-EAGLE: the same with the parallel
 drafting of configs/peagle-tiny.yaml; DFlash: configs/qwen3-8b-dflash.yaml, 5 layers, block 16, 512 anchors;
 Medusa: configs/llama3-8b-medusa.yaml, 4 heads), batch 1, bf16 autocast where the device multiplies bf16 natively
-(else fp32, said in the table), AdamW, clipping: the trainer's own step (its drafter, loss and optimizer from its
+(else fp32, said in the table), AdamW (its moments in fp32, or with `--optimizer-state float32 bfloat16` also in bf16:
+train.optimizer_state, a row each), clipping: the trainer's own step (its drafter, loss and optimizer from its
 modules; EAGLE-3's is scripts/bench_train.py's step builder) for `--warmup` + `--steps` steps on random tokens, in a
 child process of its own (one at a time, so the memory is that trainer's alone), measured by scripts/scale_meter.py
 at the optimizer's step, as the peers' loops are (scripts/bench_scale_peer.py, in their own environments, on the same
@@ -143,6 +144,8 @@ TRAINERS = {
     "eagle3-window": Trainer(f"EAGLE-3, window {SWA_WINDOW}", "eagle", "configs/{model}-eagle3.yaml", 3,
                              EAGLE_LAYERS + (f"--eagle.sliding_window={SWA_WINDOW}",)),
     "dflash": Trainer("DFlash", "dflash", "configs/qwen3-8b-dflash.yaml", 6, DFLASH_LAYERS),
+    "dflash-ckpt": Trainer("DFlash, checkpointed layers", "dflash", "configs/qwen3-8b-dflash.yaml", 6,
+                           DFLASH_LAYERS + ("--dflash.checkpoint_layers=true",)),
     "medusa": Trainer("Medusa", "medusa", "configs/llama3-8b-medusa.yaml", 1),
     "speculators-eagle3": Trainer("speculators 0.9 EAGLE-3", "speculators-eagle3", "", 3, peer="speculators",
                                   features=("offline",)),
@@ -152,6 +155,8 @@ TRAINERS = {
                                 features=("offline",)),
 }
 OURS = ("eagle3", "peagle", "dflash", "medusa")
+STATE_LABELS = {"bfloat16": "bf16 AdamW state"}
+"""--optimizer-state: how a row of ours with train.optimizer_state other than float32 is labelled."""
 PEERS = ("speculators-eagle3", "speculators-dflash", "specforge-eagle3")
 DRAFT_VOCAB = 32000
 TINY_DRAFT_VOCAB = 1024
@@ -165,12 +170,12 @@ ids only to check there are three; 0, 1, 2 are layers of the stand-in."""
 
 
 def our_flags(trainer: Trainer, model: str, seq: int, features: str, standin: Path, cache: Path | None,
-              tiny: bool, precision: str, work: Path) -> list[str]:
+              tiny: bool, precision: str, work: Path, optimizer_state: str = "float32") -> list[str]:
     """The config flags of one of our runs: the trainer's config at the stand-in, batch 1, this seq."""
     flags = ["--config", str(ROOT / trainer.config.format(model=model)), f"--verifier={standin}",
              f"--output_dir={work / 'unused-run'}", f"--data.seq_len={seq}", "--train.batch_size=1",
              "--train.grad_accum=1", f"--train.mixed_precision={precision}", "--wandb.enabled=false",
-             f"--features={features}", *trainer.flags]
+             f"--features={features}", f"--train.optimizer_state={optimizer_state}", *trainer.flags]
     if cache is not None:
         flags.append(f"--feature_cache={cache}")
     if trainer.kind == "eagle" and tiny:
@@ -514,11 +519,12 @@ def child(spec_path: str) -> int:
     step, modules, optimizer = build_our_step(spec["kind"], cfg, verifier)
     meter.watch(*modules)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
-    # weights now, gradients and AdamW's two moments as the first step will make them
+    # weights now, gradients and AdamW's two moments as the first step will make them (train.optimizer_state)
     from scale_meter import tensor_bytes
 
+    moment = {"float32": None, "bfloat16": 2}[cfg.train.optimizer_state]
     expected = (tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
-                + sum(p.numel() * p.element_size() * 3 for p in trainable))
+                + sum(p.numel() * (p.element_size() + 2 * (moment or p.element_size())) for p in trainable))
     extra = {"trainable_params": sum(p.numel() for p in trainable), "static_expected_bytes": expected,
              "tokens_per_step": cfg.data.seq_len}
     if expected > limit:
@@ -618,7 +624,7 @@ def predict_gib(rows: list[dict], seq: int) -> float | None:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["trainer"], r["model"], r["features"], r["seq"])
+    return (r["trainer"], r["model"], r["features"], r["seq"], r.get("optimizer_state", "float32"))
 
 
 def summarize(result: dict, device: str) -> dict:
@@ -709,12 +715,13 @@ def platform_cpu() -> str:
     return f"{os.cpu_count()} cores"
 
 
-def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int, standin: Path) -> dict:
+def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int, standin: Path,
+            optimizer_state: str = "float32") -> dict:
     """One row: write the child's spec (and the features it reads), run it, summarize."""
     args, work = bench.args, bench.work
     trainer = TRAINERS[trainer_name]
     rows = args.warmup + args.steps
-    tag = f"{trainer_name}-{model}-{features}-{seq}"
+    tag = f"{trainer_name}-{model}-{features}-{seq}" + ("" if optimizer_state == "float32" else f"-{optimizer_state}")
     spec_path, report, log = work / f"{tag}.spec.json", work / f"{tag}.report.json", bench.out / "logs" / f"{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     spec = {"trainer": trainer_name, "kind": trainer.kind, "model": model, "seq": seq, "features": features,
@@ -727,7 +734,7 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
     if trainer.peer is None:
         cache = build_cache(trainer, model, seq, rows, standin, args.tiny, work) if features == "offline" else None
         spec.update(flags=our_flags(trainer, model, seq, features, standin, cache, args.tiny,
-                                    bench.settings["precision"], work),
+                                    bench.settings["precision"], work, optimizer_state),
                     config_class={"eagle": "draftheads.train.eagle:EagleRunConfig",
                                   "dflash": "draftheads.train.dflash:DFlashRunConfig",
                                   "medusa": "draftheads.train.medusa:MedusaRunConfig"}[trainer.kind])
@@ -788,22 +795,26 @@ def run(args) -> dict:
             if trainer.kind == "medusa" and model != "llama3-8b" and not args.all_pairs:
                 continue
             standin = None
-            for features in args.features:
+            runs = [(f, state) for f in args.features for state in
+                    (args.optimizer_state if trainer.peer is None else ["float32"])]
+            for features, state in runs:
                 if features not in trainer.features:
                     continue
+                label = trainer.label + ("" if state == "float32" else f" ({STATE_LABELS[state]})")
                 done: list[dict] = []
                 for seq in ladder(args):
-                    key = (trainer_name, model, features, seq)
+                    key = (trainer_name, model, features, seq, state)
                     old = previous.get(key)
                     if old and (old["status"] == "ok" or old["status"] == "did not fit"
                                 and old.get("memory_gib", 0) >= args.memory_gib):
-                        say(f"{trainer.label} {model} {features} seq {seq}: kept from {bench.json_path.name}")
+                        say(f"{label} {model} {features} seq {seq}: kept from {bench.json_path.name}")
                         row = old
                     else:
                         predicted = predict_gib(done, seq)
-                        base = {"trainer": trainer_name, "label": trainer.label, "model": model,
+                        base = {"trainer": trainer_name, "label": label, "model": model,
                                 "features": features, "seq": seq, "memory_gib": args.memory_gib,
-                                "predicted_gib": predicted, "command": bench.settings_command()}
+                                "predicted_gib": predicted, "command": bench.settings_command(),
+                                **({} if state == "float32" else {"optimizer_state": state})}
                         if predicted is not None and predicted > args.memory_gib:
                             row = {**base, "status": "did not fit", "did_not_fit": True,
                                    "error": f"did not fit: predicted {predicted:.1f} GiB > --memory-gib "
@@ -812,14 +823,14 @@ def run(args) -> dict:
                             need = min(predicted or (1.0 if args.tiny else FIRST_RUNG_GIB), args.memory_gib)
                             big = args.device == "cpu" and need > BIG_CHILD_GIB
                             if big and not wait_for_memory(need, args.patience):
-                                say(f"{trainer.label} {model} {features} seq {seq}: the machine never had "
+                                say(f"{label} {model} {features} seq {seq}: the machine never had "
                                     f"{need:.1f} GiB available; not run (rerun with --reuse)")
                                 break
                             if standin is None:
                                 standin = build_standin(model, trainer.standin_layers, args.tiny, work)
-                            say(f"{trainer.label} {model} features {features} seq {seq}: measuring"
+                            say(f"{label} {model} features {features} seq {seq}: measuring"
                                 + (f" (predicted {predicted:.1f} GiB)" if predicted else ""))
-                            row = {**base, **measure(bench, trainer_name, model, features, seq, standin)}
+                            row = {**base, **measure(bench, trainer_name, model, features, seq, standin, state)}
                     bench.rows = [r for r in bench.rows if row_key(r) != key] + [row]
                     bench.save()
                     say(f"  -> {one_line(row)}")
@@ -860,7 +871,8 @@ def markdown(doc: dict) -> str:
         "rest MiB/token | s/step | CPU-s/step | tokens/s | tokens/CPU-s | trainable |",
         "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(doc["rows"], key=lambda r: (list(TRAINERS).index(r["trainer"]) if r["trainer"] in TRAINERS
-                                                 else 99, r["model"], r["features"], r["seq"])):
+                                                 else 99, r["model"], r["features"], r["seq"],
+                                                 r.get("optimizer_state") or "")):
         head = f"| {r.get('label', r['trainer'])} | {r['model']} | {r['features']} | {r['seq']} |"
         params = f"{r['trainable_params'] / 1e6:.1f}M" if r.get("trainable_params") else "-"
         if r["status"] != "ok":
@@ -878,12 +890,15 @@ def markdown(doc: dict) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainers", nargs="+", default=list(OURS + PEERS), choices=list(TRAINERS),
-                   help="ours (eagle3 peagle dflash medusa; eagle3-window on request) and the peers (offline only)")
+                   help="ours (eagle3 peagle dflash medusa; on request eagle3-window, and dflash-ckpt: DFlash with "
+                        "dflash.checkpoint_layers) and the peers (offline only)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seqs", nargs="+", type=int, help="these seq lengths only (default: the ladder 1024, 2048, ... "
                                                        "while it fits)")
     p.add_argument("--max-seq", type=int, default=131072, help="the ladder's top")
     p.add_argument("--features", nargs="+", default=["online", "offline"], choices=["online", "offline"])
+    p.add_argument("--optimizer-state", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                   help="our trainers' train.optimizer_state, a row each (the peers keep their own AdamW)")
     p.add_argument("--steps", type=int, default=2, help="measured steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--memory-gib", type=float, default=20.0,

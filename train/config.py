@@ -51,6 +51,9 @@ class TrainConfig:
     optimizer: Literal["adamw", "muon"] = "adamw"
     """`adamw` for every parameter; `muon`: Muon for the drafter's hidden matrices, AdamW for its heads, norms and
     vectors, one lr for both (train/optim.py; not with Medusa-2's parameter groups, nor FSDP-sharded drafters)."""
+    optimizer_state: Literal["float32", "bfloat16"] = "float32"
+    """dtype of AdamW's two moments: `bfloat16` keeps 4 bytes of state per trained weight instead of 8, updated in
+    fp32 and written back with stochastic rounding (models/adamw.py); with train.optimizer=adamw only."""
     warmup_steps: int = 20
     """Linear warm-up steps before the cosine decay."""
     min_lr_ratio: float = 0.1
@@ -99,6 +102,9 @@ class TrainConfig:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio}: expected a value in [0, 1]")
         if not 0 <= self.seed < 2 ** 32:  # numpy's seed range (accelerate's set_seed seeds numpy too)
             raise ConfigError(f"train.seed={self.seed}: expected an integer in [0, 2**32)")
+        if self.optimizer_state != "float32" and self.optimizer != "adamw":
+            raise ConfigError(f"train.optimizer_state={self.optimizer_state} with train.optimizer={self.optimizer}: "
+                              "low-precision state is AdamW's; use train.optimizer=adamw or optimizer_state=float32")
         if not self.resume.strip():
             raise ConfigError(f"train.resume={self.resume!r}: expected auto, none or a checkpoint folder")
         if self.warmup_steps >= self.max_steps:

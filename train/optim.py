@@ -4,15 +4,18 @@
 matrices (fc, attention and MLP projections, Medusa's ResBlocks) with Muon, the orthogonalised momentum update
 (torch.optim.Muon's, models/muon.py) that speculators uses for its drafters, and the rest (the output heads,
 norms, vectors) with AdamW, in one optimizer (`MuonAdamW`: one state dict, one schedule). Muon's update is scaled to
-AdamW's size (`match_rms_adamw`), so `train.lr` serves both.
+AdamW's size (`match_rms_adamw`), so `train.lr` serves both. `train.optimizer_state: bfloat16` keeps AdamW's two
+moments in bf16 (`CompactAdamW`, models/adamw.py): half the state, where it dominates the memory (DFlash's and
+Medusa's drafters at 8B shapes).
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftheads.models.schedule import warmup_cosine_schedule
+from draftheads.models.adamw import CompactAdamW
 from draftheads.models.muon import MuonAdamW
+from draftheads.models.schedule import warmup_cosine_schedule
 from draftheads.train.config import ConfigError, RunConfig
 
 #: Parameters kept on AdamW under `train.optimizer: muon` although they are matrices: vocabulary-sized heads and
@@ -34,6 +37,9 @@ def build_optimizer(param_groups, cfg: RunConfig) -> torch.optim.Optimizer:
                          weight_decay=cfg.train.weight_decay, ns_dtype=torch.bfloat16 if native else torch.float32)
     if isinstance(param_groups, torch.nn.Module):
         param_groups = [p for p in param_groups.parameters() if p.requires_grad]
+    if cfg.train.optimizer_state == "bfloat16":
+        return CompactAdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
+                            weight_decay=cfg.train.weight_decay, seed=cfg.train.seed)
     return torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                              weight_decay=cfg.train.weight_decay)
 

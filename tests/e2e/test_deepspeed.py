@@ -174,3 +174,38 @@ def test_cpu_launch_configs_match_the_gpu_ones():
         cpu = load_config_from_file(str(ROOT / "configs" / "accelerate" / f"deepspeed_zero{stage}_cpu.yaml"))
         assert cpu.deepspeed_config == gpu.deepspeed_config
         assert cpu.num_processes == 2 and not cpu.use_cpu
+
+
+def test_bf16_optimizer_state_under_zero2_resumes_exactly(tmp_path, verifier_dir):
+    """train.optimizer_state=bfloat16 under ZeRO-2: DeepSpeed hands the client optimizer (CompactAdamW) its flat fp32
+    partitions, and saves and restores its state with the checkpoint; a run killed while writing step 4 and resumed
+    from step 2 ends with the weights of the same run uninterrupted, and the moments in the optimizer shards are
+    bf16."""
+    args = [*eagle_args(verifier_dir, tmp_path / "killed"), "--train.optimizer_state=bfloat16"]
+    killed = deepspeed_launch(2, args, tmp_path, DRAFTHEADS_TEST_CHECKPOINT_KILL="4:before_marker")
+    assert killed.returncode != 0, killed.stdout[-2000:] + killed.stderr[-4000:]
+    resumed = deepspeed_launch(2, args, tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    straight_args = [*eagle_args(verifier_dir, tmp_path / "straight"), "--train.optimizer_state=bfloat16"]
+    straight = deepspeed_launch(2, straight_args, tmp_path)
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-4000:]
+    assert "[deepspeed] DeepSpeedEngine ZeRO-2" in resumed.stdout
+    assert max_abs_difference(tmp_path / "killed", tmp_path / "straight") == 0.0
+    assert moved(tmp_path / "straight", verifier_dir) > 1e-3
+    shard_file = tmp_path / "killed" / "step-000004" / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard = torch.load(shard_file, weights_only=False)  # DeepSpeed's own file, written by this test's run
+    moments = list(tensors_named(shard["optimizer_state_dict"]["base_optimizer_state"], ("exp_avg", "exp_avg_sq")))
+    assert moments and {m.dtype for m in moments} == {torch.bfloat16}
+
+
+def tensors_named(tree, keys: tuple[str, ...]):
+    """The tensors under any of `keys` anywhere in nested dicts and lists (DeepSpeed's optimizer shard)."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key in keys and torch.is_tensor(value):
+                yield value
+            else:
+                yield from tensors_named(value, keys)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors_named(value, keys)

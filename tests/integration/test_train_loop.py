@@ -70,14 +70,17 @@ def losses(folder):
     return [r["train/loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())]
 
 
-def test_resume_gives_the_same_weights_and_losses(tmp_path):
-    straight, _ = run(tmp_path / "a", max_steps=16)  # 16 steps = 1.6 epochs: resume crosses an epoch boundary
+@pytest.mark.parametrize("state", ["float32", "bfloat16"])
+def test_resume_gives_the_same_weights_and_losses(tmp_path, state):
+    straight, _ = run(tmp_path / "a", max_steps=16, optimizer_state=state)  # 1.6 epochs: resume crosses an epoch
     with pytest.raises(Crash):
-        run(tmp_path / "b", max_steps=16, crash_at=8)  # last checkpoint: step 6
-    resumed, loop = run(tmp_path / "b", max_steps=16)
+        run(tmp_path / "b", max_steps=16, crash_at=8, optimizer_state=state)  # last checkpoint: step 6
+    resumed, loop = run(tmp_path / "b", max_steps=16, optimizer_state=state)
     assert loop.state.step == 16 and loop.state.epoch == 1
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0)
+    moments = [v for s in loop.optimizer.optimizer.state.values() for k, v in s.items() if k.startswith("exp_avg")]
+    assert moments and {v.dtype for v in moments} == {getattr(torch, state)}  # still bf16 after load_state
     # the crashed run logged steps 1..8, the resumed one 7..16: steps 7 and 8 twice, with the same values
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert len(b) == 18 and b[:8] + b[10:] == a and b[6:8] == b[8:10]
