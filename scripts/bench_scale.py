@@ -502,7 +502,8 @@ def child(spec_path: str) -> int:
     import importlib
 
     cfg = parse_config(getattr(importlib.import_module(module), name), spec["flags"])
-    verifier, _ = load_verifier(cfg, device)
+    # offline: only what the trainer holds of the verifier then (embedding, lm_head, final norm), as train/placement does
+    verifier, _ = load_verifier(cfg, device, head_only=cfg.features == "offline")
     rows = spec["warmup"] + spec["steps"]
     if cfg.features == "offline":
         from draftheads.data.hidden_states import CachedRows, collate_cached, read_index
