@@ -104,5 +104,6 @@ def test_medusa2_adapter_reloads(setup, tmp_path):
 def test_prompts_from_rows():
     rows = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6]])
     assert prompts_from_rows(rows, num_prompts=2, prompt_tokens=3, pad_token_id=0) == [[5, 6, 7], [1, 2, 3]]
-    with pytest.raises(TypeError, match="MedusaHeads, an EagleDrafter or a DFlashDrafter"):
+    expected = "MedusaHeads, an EagleDrafter, a DFlashDrafter or an MtpDrafter, got Linear"
+    with pytest.raises(TypeError, match=expected):
         check_export(torch.nn.Linear(2, 2), "x", None, [[1, 2]])
