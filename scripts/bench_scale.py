@@ -23,8 +23,8 @@ rows' times and memory are a floor) and the verifier's weights held in memory (t
 at these shapes). `features: offline` reads a feature cache of random bf16 features in our cache format
 (data/hidden_states.py), written once per (model, trainer, seq) into `--work`, so no verifier forward runs.
 
-Each trainer runs its config at these shapes (`configs/<model>-eagle3.yaml`; P-EAGLE: the same with the parallel
-drafting of configs/peagle-tiny.yaml; DFlash: configs/qwen3-8b-dflash.yaml, 5 layers, block 16, 512 anchors;
+Each trainer runs its config at these shapes (`configs/<model>-eagle3.yaml`; eagle3-frozen: the same with
+speculators' settings, its lm_head frozen; P-EAGLE: the same with the parallel drafting of configs/peagle-tiny.yaml; DFlash: configs/qwen3-8b-dflash.yaml, 5 layers, block 16, 512 anchors;
 Medusa: configs/llama3-8b-medusa.yaml, 4 heads), batch 1, bf16 autocast where the device multiplies bf16 natively
 (else fp32, said in the table), AdamW (its moments in fp32, or with `--optimizer-state float32 bfloat16` also in bf16:
 train.optimizer_state, a row each), clipping: the trainer's own step (its drafter, loss and optimizer from its
@@ -134,6 +134,10 @@ class Trainer:
 
 
 EAGLE_LAYERS = ("--eagle.layer_ids=[0,1,2]",)
+SPECULATORS_SETTINGS = ("--eagle.freeze_lm_head=true", "--eagle.norm_init=ones", "--eagle.init_std=0.02",
+                        "--eagle.skip_out_of_draft=false")
+"""eagle3-frozen (opt-in): our EAGLE-3 trained as speculators 0.9 trains it (its row in this bench): the lm_head kept at
+the verifier's rows of the draft vocabulary, a fresh final norm, normal(0, 0.02) weights, every position trained."""
 SWA_WINDOW = 1024
 """eagle3-window (opt-in, not in the default run): EAGLE-3 with eagle.sliding_window of this many positions."""
 DFLASH_LAYERS = ("--dflash.target_layer_ids=[0,1,2,3,4]",)
@@ -141,6 +145,8 @@ TRAINERS = {
     "eagle3": Trainer("EAGLE-3", "eagle", "configs/{model}-eagle3.yaml", 3, EAGLE_LAYERS),
     "peagle": Trainer("P-EAGLE", "eagle", "configs/{model}-eagle3.yaml", 3,
                       EAGLE_LAYERS + ("--eagle.parallel=true", "--eagle.parallel_keep=[0.7,0.2]")),
+    "eagle3-frozen": Trainer("EAGLE-3, speculators' settings (lm_head frozen)", "eagle", "configs/{model}-eagle3.yaml",
+                             3, EAGLE_LAYERS + SPECULATORS_SETTINGS),
     "eagle3-window": Trainer(f"EAGLE-3, window {SWA_WINDOW}", "eagle", "configs/{model}-eagle3.yaml", 3,
                              EAGLE_LAYERS + (f"--eagle.sliding_window={SWA_WINDOW}",)),
     "dflash": Trainer("DFlash", "dflash", "configs/qwen3-8b-dflash.yaml", 6, DFLASH_LAYERS),
@@ -891,8 +897,9 @@ def markdown(doc: dict) -> str:
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainers", nargs="+", default=list(OURS + PEERS), choices=list(TRAINERS),
-                   help="ours (eagle3 peagle dflash medusa; on request eagle3-window, and dflash-ckpt: DFlash with "
-                        "dflash.checkpoint_layers) and the peers (offline only)")
+                   help="ours (eagle3 peagle dflash medusa; on request eagle3-frozen: EAGLE-3 with speculators' "
+                        "settings, eagle3-window, and dflash-ckpt: DFlash with dflash.checkpoint_layers) and the peers "
+                        "(offline only)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seqs", nargs="+", type=int, help="these seq lengths only (default: the ladder 1024, 2048, ... "
                                                        "while it fits)")

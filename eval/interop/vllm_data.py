@@ -36,13 +36,17 @@ class VllmEngine:
 
     def __init__(self, verifier: str | os.PathLike, *, dtype: str = "float32", max_model_len: int = 2048,
                  capture_layers: list[int] | None = None, storage: str | os.PathLike | None = None,
-                 tensor_parallel_size: int = 1, seed: int = 0, env: dict | None = None):
+                 tensor_parallel_size: int = 1, seed: int = 0, env: dict | None = None,
+                 prefix_caching: bool | None = None, block_size: int | None = None):
+        """prefix_caching: None = vLLM's prefix cache on for generation, off for a capture engine (the runner's
+        docstring: with capture_layers on, a cached prefix serves its states too); block_size: tokens per KV block."""
         if capture_layers and storage is None:
             raise ValueError("capture_layers needs a storage folder for vLLM's hidden-state files")
         self.job = {"op": "start", "verifier": str(verifier), "dtype": dtype, "max_model_len": int(max_model_len),
                     "seed": int(seed), "tensor_parallel_size": int(tensor_parallel_size),
                     "capture_layers": list(capture_layers) if capture_layers else None,
-                    "storage": str(storage) if storage is not None else None}
+                    "storage": str(storage) if storage is not None else None, "prefix_caching": prefix_caching,
+                    "block_size": block_size}
         self.storage = Path(storage) if storage is not None else None
         self.env = dict(env or {})
         """More environment for vLLM (CUDA_VISIBLE_DEVICES, VLLM_CPU_KVCACHE_SPACE, ...)."""
@@ -52,6 +56,9 @@ class VllmEngine:
         self.version: str | None = None
         self.log: Path | None = None
         self.start_s: float | None = None
+        self.captured_tokens = 0
+        """Tokens of every capture request so far, and how many of them vLLM's prefix cache served."""
+        self.cached_tokens = 0
 
     def start(self) -> "VllmEngine":
         python = vllm_python()
@@ -96,7 +103,10 @@ class VllmEngine:
 
     def capture(self, requests: list[list[int]]) -> list[Path]:
         """Each request's hidden-state file (runner docstring), in order; the caller reads and deletes them."""
-        return [Path(f) for f in self._ask({"op": "capture", "requests": requests})["files"]]
+        answer = self._ask({"op": "capture", "requests": requests})
+        self.captured_tokens += sum(len(r) for r in requests)
+        self.cached_tokens += answer.get("cached_tokens", 0)
+        return [Path(f) for f in answer["files"]]
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
                  stop_ids: list[int] | None = None, seed: int = 0) -> list[list[int]]:

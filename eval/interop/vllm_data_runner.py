@@ -9,15 +9,21 @@ to stderr. A request that fails is answered {"error": "<Type>: <the message on o
 stays up for the next one (a failed "start" leaves nothing to use: the caller stops).
 
     {"op": "start", "verifier": DIR, "dtype": "float32", "max_model_len": N, "seed": 0,
-     "tensor_parallel_size": 1, "capture_layers": [ids] | null, "storage": DIR}   -> {"ok": true, "vllm": version}
+     "tensor_parallel_size": 1, "capture_layers": [ids] | null, "storage": DIR,
+     "prefix_caching": null, "block_size": null}                 -> {"ok": true, "vllm": version}
         capture_layers: vLLM's `eagle_aux_hidden_state_layer_ids`; with them the LLM runs the `extract_hidden_states`
         speculative method and writes each request's states under `storage`
-    {"op": "capture", "requests": [[token ids], ...]}            -> {"files": [path, ...]}   (in request order)
-        each file: safetensors {"hidden_states": (tokens, layers, H) in ascending layer order, "token_ids"}
+        prefix_caching: default on without capture_layers, off with them; block_size: tokens per KV block (vLLM's
+        default when null). With capture_layers the states live in a cache-only layer's KV blocks, so a prefix
+        served from the cache serves its states too (what `regenerate --capture` relies on)
+    {"op": "capture", "requests": [[token ids], ...]}  -> {"files": [path, ...], "cached_tokens": N}  (request order)
+        each file: safetensors {"hidden_states": (tokens, layers, H) in ascending layer order, "token_ids"};
+        cached_tokens: the requests' tokens vLLM's prefix cache served
     {"op": "generate", "prompts": [[token ids], ...], "max_tokens": N, "temperature": 0.0, "top_p": 1.0,
      "stop_ids": [ids], "seed": 0}                               -> {"outputs": [[new token ids], ...]}
         request i is seeded with seed + i at temperature > 0; generation ends at a stop id (kept in the output)
-        or after max_tokens; vLLM's own EOS handling and the model's generation_config are not used
+        or after max_tokens; vLLM's own EOS handling and the model's generation_config are not used. On an engine
+        with capture_layers the prompts' state files the connector writes are removed
     {"op": "stop"}                                               -> {"ok": true}, then exit
 
 Settings for a small CPU machine are vllm_runner.py's (each overridable in the environment).
@@ -50,9 +56,11 @@ class Engine:
         tp = int(job.get("tensor_parallel_size", 1))
         kwargs = dict(dtype=job.get("dtype", "float32"), max_model_len=int(job["max_model_len"]),
                       seed=int(job.get("seed", 0)), tensor_parallel_size=tp, enforce_eager=True,
-                      skip_tokenizer_init=True, generation_config="vllm", trust_remote_code=False,
-                      # a prefix served from the cache is not computed again, and a capture needs every token's state
-                      enable_prefix_caching=not self.capture_layers)
+                      skip_tokenizer_init=True, generation_config="vllm", trust_remote_code=False)
+        prefix_caching = job.get("prefix_caching")
+        kwargs["enable_prefix_caching"] = not self.capture_layers if prefix_caching is None else bool(prefix_caching)
+        if job.get("block_size"):
+            kwargs["block_size"] = int(job["block_size"])
         if tp == 1 and self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         if self.capture_layers:
@@ -73,6 +81,11 @@ class Engine:
             raise ValueError("this engine was started without capture_layers")
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in job["requests"]]
         outs = self.llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        files = self._flush(outs)
+        return {"files": [str(f) for f in files], "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
+
+    def _flush(self, outs) -> list[Path]:
+        """The state files of finished requests `outs`, once all are written."""
         files = [Path((o.kv_transfer_params or {}).get("hidden_states_path", "")) for o in outs]
         # The connector writes a request's file one engine step after the request finished: the last ones are
         # still pending when generate returns. In-process, step the engine until they are written; otherwise the
@@ -86,7 +99,7 @@ class Engine:
                 self.llm.llm_engine.step()
             else:
                 time.sleep(0.02)
-        return {"files": [str(f) for f in files]}
+        return files
 
     def generate(self, job: dict) -> dict:
         from vllm import SamplingParams
@@ -100,6 +113,9 @@ class Engine:
                   for i in range(len(job["prompts"]))]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in job["prompts"]]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.capture_layers:  # the prompts' states, written as for a capture: not asked for here
+            for path in self._flush(outs):
+                path.unlink()
         return {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from draftheads.data.documents import causal_document_mask, document_ids, is_packed, same_document
-from draftheads.models.draft_losses import masked_mean, step_weights
+from draftheads.models.draft_losses import step_weights
 from draftheads.models.eagle.config import EagleConfig, EagleError
 from draftheads.models.eagle.layer import (
     OWN_LAYER_FAMILIES,
@@ -21,7 +21,7 @@ from draftheads.models.eagle.layer import (
     norm_scale,
     normal_init,
 )
-from draftheads.models.eagle.losses import add_uniform_noise, draft_targets, eagle1_loss, step_token_loss
+from draftheads.models.eagle.losses import HeadLoss, add_uniform_noise, draft_targets, eagle1_loss
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
 from draftheads.models.placed import Placed
 from draftheads.models.eagle.ttt import ttt_attention
@@ -214,20 +214,34 @@ class EagleDrafter(Placed, nn.Module):
         return causal_document_mask(position_ids) if is_packed(position_ids) else None
 
     def ttt_unroll(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                   steps: int | None = None) -> list[torch.Tensor]:
+                   steps: int | None = None, keep: list[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """The training-time-test unroll: out_hidden (B, T, H) of each step, step k at stream position t having
         consumed (x_{t+1+k}, previous step's output) at position id t + k; `hidden` (B, T, H) is step 0's
         hidden input: EAGLE-3 h_t = fc(features), EAGLE-1 the verifier's final feature f_t. With position_ids of
-        packed rows (restarting per document) every step attends inside its position's document only."""
+        packed rows (restarting per document) every step attends inside its position's document only.
+
+        keep: per step, the stream positions (M_k,) sorted, nested (each step's within the one before) whose outputs
+        are still read, at that step or a later one; None (or keep[k] None): every position. Step k then computes
+        those rows only, (B, M_k, H), against the whole step-0 prefix (`ttt_attention`'s `where`): a row's prompt
+        and its last positions, which no later target reads, cost the later steps nothing. The unroll stops at the
+        first step that keeps no position."""
         steps = self.cfg.ttt_steps if steps is None else steps
         B, T = input_ids.shape
         documents = document_ids(position_ids) if is_packed(position_ids) else None  # (B, T); None: one per row
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
         checkpointed = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
+        at = None  # the positions of `hidden`'s rows and of the chain's keys (None: the whole row)
         for k in range(steps):
+            where = None if keep is None or k == 0 else keep[k]
+            if where is not None and where.numel() == 0:
+                break
             ids_k, hidden = self._step_inputs(input_ids, hidden, k)
-            args = (ids_k, hidden, position_ids + k, documents, tuple(keys), tuple(values))
+            ids_k, pos_k = _rows(ids_k, None, where, 1), _rows(position_ids + k, None, where, 1)
+            hidden = _rows(hidden, None if hidden.shape[1] == T else at, where, 1)  # P-EAGLE's mask rows: whole
+            keys = [keys[0], *(_rows(x, at, where, 2) for x in keys[1:])] if keys else keys
+            values = [values[0], *(_rows(x, at, where, 2) for x in values[1:])] if values else values
+            args = (ids_k, hidden, pos_k, documents, tuple(keys), tuple(values), where)
             if checkpointed:  # keep the step's inputs and outputs only; its layer pass runs again in the backward
                 hidden, kk, vv = checkpoint(self._ttt_step, *args, use_reentrant=False)
             else:
@@ -235,21 +249,23 @@ class EagleDrafter(Placed, nn.Module):
             keys.append(kk)
             values.append(vv)
             outs.append(hidden)
+            at = where
         return outs
 
     def _ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-                  documents: torch.Tensor | None, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One TTT step's layer pass over the row: (out (B, T, H), its keys, its values (B, nkv, T, d)), attending
-        to the step-0 prefix causally (inside the document) plus each position's own chain, the earlier steps' keys
-        and values given. A function of its arguments alone, so that checkpointing can run it again."""
-        B, T = input_ids.shape
+                  documents: torch.Tensor | None, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...],
+                  where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One TTT step's layer pass over the row, or its rows at the positions `where` (M,): (out (B, M, H), its
+        keys, its values (B, nkv, M, d)), attending to the step-0 prefix causally (inside the document) plus each
+        position's own chain, the earlier steps' keys and values given (the prefix's whole, the chain's at the same
+        rows). A function of its arguments alone, so that checkpointing can run it again."""
+        B, M = input_ids.shape
         kv = []
 
         def attend(q, k, v):
             kv.extend((k, v))
-            out = ttt_attention(q, [*keys, k], [*values, v], documents, window=self.cfg.sliding_window)
-            return out.transpose(1, 2).reshape(B, T, -1)
+            out = ttt_attention(q, [*keys, k], [*values, v], documents, window=self.cfg.sliding_window, where=where)
+            return out.transpose(1, 2).reshape(B, M, -1)
 
         out = self.step(input_ids, hidden, position_ids, attend)
         return out, kv[0], kv[1]
@@ -466,7 +482,12 @@ class Eagle3Drafter(EagleDrafter):
         feats = torch.cat(features.layers, dim=-1).to(self.dtype)  # (B, T, 3H)
         if self.training and self.cfg.input_noise > 0:
             feats = add_uniform_noise(feats, self.cfg.input_noise)
-        outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids)
+        K = self.cfg.ttt_steps
+        align = self.cfg.align_topk is not None and self.training  # a training mask: held-out losses stay comparable
+        with torch.no_grad():
+            scored_at = [self.trained_mask(loss_mask, position_ids, k) if T - 2 - k > 0 else None for k in range(K)]
+            keep, read = read_positions(scored_at, ahead=align)
+        outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids, keep=keep)
         with torch.no_grad():
             target_logp, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
             # forward_kl weighted without the measured acceptance needs only p: exp'd once for every step
@@ -475,24 +496,25 @@ class Eagle3Drafter(EagleDrafter):
                 target_p = target_logp.exp()  # (B, T, Vd)
                 target_mass = target_p.sum(-1)
                 target_logp = None  # only p is read from here on
-        K = len(outs)
+        # the norm, lm_head and loss over the positions read, in chunks, the head's backward in the forward
+        head = HeadLoss(None if self.cfg.norm_output else self.norm, self.lm_head.weight, self.cfg.loss,
+                        self.cfg.lk_eta)
+        reach = self.cfg.step_weights == "reach"
+        fixed = None if reach else step_weights(self.cfg.step_weights, K, self.cfg.decay).tolist()
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
         valid = torch.zeros_like(correct)
         zero = torch.zeros((), device=input_ids.device)
+        reached = torch.ones((), device=input_ids.device)  # reach: the weight of step k, prod_{j<k} alpha_j
         step_losses, step_alpha = [], []
         kept = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # parallel: chains still trained
-        align = self.cfg.align_topk is not None and self.training  # a training mask: held-out losses stay comparable
         aligned = torch.ones(B, T, dtype=torch.bool, device=input_ids.device)  # align_topk: chains still verified
-        for k, out in enumerate(outs):
+        for k in range(K):
             n = T - 2 - k  # stream positions t = 0..n-1 predict x_{t+2+k}, which exists
             if n <= 0:
-                step_losses.append(outs[0].sum() * 0)
+                step_losses.append(zero)
                 step_alpha.append(zero)
+                reached = reached * 0
                 continue
-            # the norm, lm_head and loss in chunks of positions, recomputed in backward: no (B, n, Vd) tensor kept
-            step = step_token_loss(self.logits, out[:, :n], (target_p if fused else target_logp)[:, 1 + k:T - 1],
-                                   self.cfg.loss, self.cfg.lk_eta, target_mass[:, 1 + k:T - 1] if fused else None,
-                                   topk=self.cfg.align_topk if align else 1)
             scored, trained = self.loss_positions(loss_mask, position_ids, in_draft, k)  # (B, n)
             if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
@@ -500,21 +522,64 @@ class Eagle3Drafter(EagleDrafter):
                 trained = trained & kept[:, :n]
             if align:
                 trained = trained & aligned[:, :n]
-            # fused: the step weights are fixed, alpha unread
-            step_alpha.append(zero if fused else masked_mean(step.alpha, trained))
-            step_losses.append(masked_mean(step.per_position, trained))
+            valid[k, :, :n] = scored
+            rows = read[k]  # (R,) every trained position among them
+            if k >= len(outs) or rows.numel() == 0:  # nothing read here (nor later: the unroll stopped)
+                step_losses.append(zero)
+                step_alpha.append(zero)
+                reached = reached * 0
+                continue
+            hidden = _rows(outs[k], None if k == 0 else keep[k], rows, 1)  # (B, R, H)
+            weight = trained[:, rows].float() / trained.sum().clamp(min=1)  # a masked mean over the trained
+            step = head.step(hidden, (target_p if fused else target_logp)[:, 1 + k:T - 1],
+                             weight, target_mass[:, 1 + k:T - 1] if fused else None, rows,
+                             step_weight=reached if reach else fixed[k], topk=self.cfg.align_topk if align else 1)
+            step_losses.append(step.loss)
+            step_alpha.append(zero if fused else step.alpha)  # fused: the step weights are fixed, alpha unread
+            if reach:
+                reached = reached * step.alpha
             with torch.no_grad():
-                correct[k, :, :n] = self.to_target_ids(step.argmax) == target_ids[:, 1 + k:T - 1]
-                valid[k, :, :n] = scored
+                target_k = target_ids[:, 1 + k + rows]  # (B, R)
+                correct[k, :, rows] = self.to_target_ids(step.argmax) == target_k
                 if align:  # the chain from t goes on past step k iff the verifier's argmax is drafted
-                    hit = correct[k, :, :n]
+                    hit = correct[k, :, rows]
                     if step.top is not None:  # align_topk > 1
-                        hit = (self.to_target_ids(step.top) == target_ids[:, 1 + k:T - 1, None]).any(-1)
-                    aligned[:, :n] &= hit
-        weights = step_weights(self.cfg.step_weights, K, self.cfg.decay, torch.stack(step_alpha)).to(zero.device)
-        loss = (weights * torch.stack(step_losses)).sum()
-        step_losses = [x.detach() for x in step_losses]
+                        hit = (self.to_target_ids(step.top) == target_k[..., None]).any(-1)
+                    aligned[:, rows] &= hit
+        loss = head.loss()
         return EagleOutput(loss=loss, step_losses=torch.stack(step_losses), counts=step_counts(correct, valid))
+
+
+def _rows(x: torch.Tensor, at: torch.Tensor | None, where: torch.Tensor | None, dim: int) -> torch.Tensor:
+    """x's rows along `dim` at the sorted positions `where`, given that they sit at the sorted positions `at` (None:
+    every position, and `where` None: keep them all); a prefix is a slice, not a copy."""
+    if where is None:
+        return x
+    M = where.numel()
+    if int(where[-1]) == M - 1:  # the first M positions, which are the first M rows of any superset
+        return x.narrow(dim, 0, M)
+    index = where if at is None else torch.searchsorted(at, where)
+    return x.index_select(dim, index)
+
+
+def read_positions(scored: list[torch.Tensor | None], ahead: bool) -> tuple[list, list]:
+    """(keep, read): per TTT step k, the stream positions its layer pass must compute (`ttt_unroll`'s keep: what
+    step k or a later one scores, in any row; step 0 all) and those its head must score (read: what step k scores
+    in any row, and with `ahead` what a later step scores too, whose training depends on this step's draft).
+    scored: per step the (B, n_k) bool scored positions, None where the step has no position."""
+    K = len(scored)
+    need = [None if s is None else s.any(0) for s in scored]  # (n_k,)
+    keep, read = [None] * K, [None] * K
+    later = None  # (n,) positions scored at a step after k
+    for k in reversed(range(K)):
+        if need[k] is None:
+            continue
+        n = need[k].shape[0]
+        after = torch.zeros_like(need[k]) if later is None else F.pad(later, (0, n - later.shape[0]))
+        keep[k] = None if k == 0 else (need[k] | after).nonzero().squeeze(1)
+        read[k] = ((need[k] | after) if ahead else need[k]).nonzero().squeeze(1)
+        later = need[k] | after
+    return keep, read
 
 
 def resolve_mask_token(verifier, mask_token_id: int | None) -> int:

@@ -1,14 +1,13 @@
 """EAGLE's training losses (pure): EAGLE-1's feature + token loss, EAGLE-3's draft-vocabulary targets and its
-per-step token loss, chunked over positions (`step_token_loss`)."""
+per-step token loss with the draft head's backward done in the forward, chunked over the positions read (`HeadLoss`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+from torch import nn
 
 from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, token_loss
 
@@ -50,62 +49,186 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
     return logp, target_ids, t2d[target_ids]
 
 
-#: Bytes of one (B, C, Vd) fp32 buffer of `step_token_loss`: a chunk of C positions at a time (a few such buffers
-#: are alive while a chunk runs). 128 MiB: 1,024 positions of a 32k draft vocabulary, 261 of a 128k one; small
-#: vocabularies take every position in one chunk.
+#: Bytes of one (B, C, Vd) fp32 buffer of `HeadLoss`: a chunk of C positions at a time (a few such buffers are alive
+#: while a chunk runs). 128 MiB: 1,024 positions of a 32k draft vocabulary, 261 of a 128k one; small vocabularies
+#: take every position in one chunk.
 CHUNK_BYTES = 1 << 27
 
 
 @dataclass
-class StepLoss:
-    """What `step_token_loss` returns for one TTT step, each over the step's n stream positions."""
+class StepResult:
+    """What `HeadLoss.step` returns for one TTT step, over the R positions it was given; all detached."""
 
-    per_position: torch.Tensor
-    """(B, n) the token loss at each position (differentiable)."""
+    loss: torch.Tensor
+    """() the step's loss: sum of the token weights times the per-position loss (a masked mean for weights
+    trained / count)."""
     alpha: torch.Tensor | None
-    """(B, n) acceptance alpha, detached; None on the fused forward_kl path, which does not compute it."""
+    """() acceptance alpha weighted the same way; None on the fused forward_kl path, which does not compute it."""
     argmax: torch.Tensor
-    """(B, n) the drafter's top draft id."""
+    """(B, R) the drafter's top draft id."""
     top: torch.Tensor | None
-    """(B, n, topk) its top `topk` draft ids (topk > 1), else None."""
+    """(B, R, topk) its top `topk` draft ids (topk > 1), else None."""
 
 
-def step_token_loss(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, target: torch.Tensor,
-                    kind: str = "forward_kl", lk_eta: float = 3.0, target_mass: torch.Tensor | None = None,
-                    topk: int = 1, chunk_rows: int | None = None) -> StepLoss:
-    """One TTT step's token loss from the drafter's hidden states, `chunk_rows` positions at a time, so that no
-    (B, n, Vd) tensor of the step is kept for backward: each chunk's logits (`logits_of(hidden chunk)`, the final
-    norm and lm_head) and its softmaxes exist only while the chunk runs, and are recomputed from the chunk's hidden
-    states in backward (activation checkpointing of the head and the loss, one matmul more). Over a 32k draft
-    vocabulary at 2,048 positions that is 262 MB of fp32 softmax per step not kept (1.8 GB for 7 steps).
+class HeadLoss:
+    """EAGLE-3's draft head (final norm, lm_head) and token loss over the TTT steps, with the head's backward done in
+    the forward: no (B, n, Vd) tensor of any step is kept, and nothing of the head runs twice.
 
-    hidden (B, n, H); target (B, n, Vd): the verifier's probabilities p when `target_mass` ((B, n), sum of p) is given
-    (forward_kl's fused soft cross-entropy), else its log-probabilities (`token_loss(kind, ...)`). Results equal the
-    unchunked computation's (one chunk is the same arithmetic)."""
-    B, n = hidden.shape[:2]
-    chunk_rows = chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
-    fused = target_mass is not None
+        head = HeadLoss(drafter.norm, drafter.lm_head.weight, "forward_kl")
+        for k, rows in ...: head.step(hidden_rows, target, weights, step_weight=w_k, ...)
+        loss = head.loss()   # sum_k w_k * loss_k, differentiable w.r.t. every hidden_rows and the head's weights
 
-    def piece(h, tgt, mass):
-        logits = logits_of(h)  # (B, C, Vd)
-        if fused:
-            loss, alpha = soft_cross_entropy(logits, tgt, mass), None
+    Each step runs `chunk_rows` positions at a time: the chunk's logits, its loss and right away the loss's gradient
+    with respect to the logits; from it the lm_head's gradient (accumulated over chunks and steps, scaled by the
+    step weight), the gradient of the final norm's weight and of the chunk's hidden input. Only the last of these,
+    (B, R, H) per step, is kept until backward; the head's weight gradients are one buffer for all steps. Against
+    recomputing the head in backward (activation checkpointing) this saves one (R, H) x (H, Vd) matmul a chunk;
+    against plain autograd, the (B, n, Vd) softmax of every step. A frozen lm_head gets no (Vd, H) product at all.
+    The callers pass only the positions that are read (scored, or needed by a later step): a prompt's positions
+    never reach the head.
+
+    backward multiplies the stored gradients by the upstream one and hands them over: a second backward through
+    the same loss (retain_graph) is refused, naming why. The arithmetic is plain autograd's, op for op (under
+    autocast too: the head's matmuls in the autocast dtype, the softmaxes in fp32), so the results equal the
+    straightforward computation within float rounding (tests/unit/test_eagle_step_loss.py).
+    """
+
+    def __init__(self, norm: nn.Module | None, weight: torch.Tensor, kind: str = "forward_kl", lk_eta: float = 3.0,
+                 chunk_rows: int | None = None):
+        self.norm, self.weight, self.kind, self.lk_eta = norm, weight, kind, lk_eta
+        self.chunk_rows = chunk_rows
+        self.params = [p for p in ([weight] + (list(norm.parameters()) if norm is not None else []))
+                       if p.requires_grad]
+        self.grads = {}  # id(param) -> fp32 gradient of sum_k w_k loss_k, accumulated
+        self.inputs, self.input_grads = [], []  # the steps' hidden rows and their gradients
+        self.total = None
+        self.spent = False
+
+    def step(self, hidden: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
+             target_mass: torch.Tensor | None = None, rows: torch.Tensor | None = None, step_weight: float = 1.0,
+             topk: int = 1) -> StepResult:
+        """One step's loss over R positions: hidden (B, R, H) (the drafter's outputs there); target (B, n, Vd), the
+        verifier's probabilities p when `target_mass` ((B, n), sum of p) is given (forward_kl's fused soft
+        cross-entropy), else its log-probabilities (`token_loss(kind, ...)`); rows (R,) sorted, which of target's n
+        positions hidden's R are (None: the first R); token_weight (B, R), 0 where a position is not trained;
+        step_weight: the step's weight in `loss()`."""
+        B, R = hidden.shape[:2]
+        if token_weight.shape != (B, R) or (rows is not None and rows.shape != (R,)):
+            raise ValueError(f"HeadLoss.step: hidden {tuple(hidden.shape)}, token_weight "
+                             f"{tuple(token_weight.shape)}, rows {None if rows is None else tuple(rows.shape)}: "
+                             f"expected (B, R, H), (B, R), (R,)")
+        if self.spent:
+            raise RuntimeError("HeadLoss.step after backward: build a new HeadLoss for a new batch")
+        fused = target_mass is not None
+        grads = torch.is_grad_enabled() and (hidden.requires_grad or bool(self.params))
+        chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
+        mm = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+            else self.weight.dtype
+        w_mm = self.weight.detach().to(mm)
+        grad_h = torch.empty_like(hidden, dtype=hidden.dtype) if grads and hidden.requires_grad else None
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        alpha_sum = None if fused else loss.clone()
+        argmax = torch.empty(B, R, dtype=torch.long, device=hidden.device)
+        top = torch.empty(B, R, min(topk, self.weight.shape[0]), dtype=torch.long, device=hidden.device) \
+            if topk > 1 else None
+        for a in range(0, R, chunk):
+            b = min(a + chunk, R)
+            pick = slice(a, b) if rows is None else rows[a:b]
+            tgt = target[:, pick]
+            mass = target_mass[:, pick] if fused else None
+            w_c = token_weight[:, a:b].float()
+            # the chunk's own graph lives only inside this call: outer saved-tensor hooks (offloading, measuring what
+            # backward keeps) are not for it
+            with torch.enable_grad() if grads else torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(
+                    _as_is, _as_is):
+                h = hidden[:, a:b].detach().requires_grad_(grads and hidden.requires_grad)
+                normed = self.norm(h) if self.norm is not None else h  # (B, C, H)
+                with torch.no_grad():
+                    logits = F.linear(normed.detach().to(mm), w_mm)  # (B, C, Vd), as autocast's linear
+                lg = logits.requires_grad_(grads)
+                if fused:
+                    per_position, alpha = soft_cross_entropy(lg, tgt, mass), None
+                else:
+                    per_position, alpha = token_loss(self.kind, lg, tgt, self.lk_eta)
+                piece = (w_c * per_position).sum()
+                g = torch.autograd.grad(piece, lg)[0].to(mm) if grads else None  # (B, C, Vd)
+            loss += piece.detach()
+            if alpha is not None:
+                alpha_sum += (w_c * alpha).sum()
+            with torch.no_grad():
+                argmax[:, a:b] = logits.max(-1).indices  # the first maximum, about 2x faster than argmax on a CPU
+                if top is not None:
+                    top[:, a:b] = logits.topk(top.shape[-1], dim=-1).indices
+            del logits, lg, per_position, alpha
+            if g is None:
+                continue
+            g = g.mul_(step_weight)
+            flat_g = g.flatten(0, 1)  # (B*C, Vd)
+            if self.weight.requires_grad:
+                self._add(self.weight, flat_g.T @ normed.detach().to(mm).flatten(0, 1))  # (Vd, H)
+            d_normed = g @ w_mm  # (B, C, H)
+            del g, flat_g
+            if self.norm is None:
+                if h.requires_grad:
+                    grad_h[:, a:b] = d_normed
+                continue
+            others = [p for p in self.params if p is not self.weight]  # the final norm's weight
+            wanted = ([h] if h.requires_grad else []) + others
+            if wanted:
+                got = list(torch.autograd.grad(normed, wanted, d_normed.to(normed.dtype)))
+                if h.requires_grad:
+                    grad_h[:, a:b] = got.pop(0)
+                for p, d in zip(others, got):
+                    self._add(p, d)
+        if grad_h is not None:
+            self.inputs.append(hidden)
+            self.input_grads.append(grad_h)  # of w_k * loss_k: g carried the step weight
+        total = loss * step_weight
+        self.total = total if self.total is None else self.total + total
+        return StepResult(loss, alpha_sum, argmax, top)
+
+    def _add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        acc = self.grads.get(id(param))
+        if acc is None:
+            self.grads[id(param)] = grad.float() if grad.dtype != torch.float32 else grad.clone()
         else:
-            loss, alpha = token_loss(kind, logits, tgt, lk_eta)
-        with torch.no_grad():
-            argmax = logits.max(-1).indices  # the first maximum, about 2x faster than argmax on a CPU
-            top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk > 1 else None
-        return loss, alpha, argmax, top
+            acc += grad
 
-    keep = torch.is_grad_enabled() and hidden.requires_grad
-    parts = []
-    for start in range(0, n, chunk_rows):
-        args = (hidden[:, start:start + chunk_rows], target[:, start:start + chunk_rows],
-                target_mass[:, start:start + chunk_rows] if fused else None)
-        parts.append(checkpoint(piece, *args, use_reentrant=False) if keep else piece(*args))
-    if len(parts) == 1:
-        loss, alpha, argmax, top = parts[0]
-        return StepLoss(loss, alpha, argmax, top)
-    loss, alpha, argmax, top = zip(*parts)
-    return StepLoss(torch.cat(loss, 1), None if fused else torch.cat(alpha, 1), torch.cat(argmax, 1),
-                    torch.cat(top, 1) if topk > 1 else None)
+    def loss(self) -> torch.Tensor:
+        """() sum_k w_k * loss_k over the steps run, differentiable (once) w.r.t. each step's hidden rows and the
+        head's trained weights."""
+        total = self.total if self.total is not None else self.weight.new_zeros((), dtype=torch.float32)
+        if not (self.inputs or self.grads):
+            return total
+        return _HeadGradients.apply(self, total, *self.inputs, *self.params)
+
+
+def _as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+class _HeadGradients(torch.autograd.Function):
+    """The loss `HeadLoss` computed, with the gradients it computed already: backward scales them by the upstream
+    gradient and hands them over (in place, so once)."""
+
+    @staticmethod
+    def forward(ctx, head, total, *tensors):
+        ctx.head = head
+        return total.detach().clone()
+
+    @staticmethod
+    def backward(ctx, upstream):
+        head = ctx.head
+        if head.spent:
+            raise RuntimeError("HeadLoss: a second backward through the EAGLE-3 head loss; its gradients were "
+                               "computed in the forward and handed over in the first backward (retain_graph is not "
+                               "supported): compute the loss again")
+        head.spent = True
+        scale = upstream.float()
+        inputs = [g.mul_(scale.to(g.dtype)) for g in head.input_grads]
+        params = []
+        for p in head.params:
+            acc = head.grads.pop(id(p), None)
+            params.append(None if acc is None else acc.mul_(scale).to(p.dtype))
+        head.input_grads, head.inputs = [], []
+        return (None, None, *inputs, *params)

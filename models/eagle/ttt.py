@@ -11,6 +11,10 @@ A sliding window W (`eagle.sliding_window`) is counted as vLLM serves it: a quer
 positions p-W+1 .. p (W keys, itself included; flash-attn's window (W-1, 0)). Step k's query at stream position t
 sits at position t+k, so it sees the prefix keys s >= t+k-W+1 and the chain keys of steps j > k-W (key t at
 position t+j): the band narrows by one key a step, exactly as the drafter's KV cache looks to it at decode.
+
+A later step need not query every position: `where` names the stream positions whose queries it computes (those
+whose targets are still read, at this step or a later one); the prefix stays the whole row. When they are the first
+m positions, that is causal attention over the first m keys (the fast path); else the query chunks carry a mask.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def ttt_attention_mask(seq_len: int, step: int, device: torch.device | str | Non
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                   documents: torch.Tensor | None = None, *, kernel: Literal["fused", "chunked"] = "fused",
-                  chunk: int | None = None, window: int | None = None) -> torch.Tensor:
+                  chunk: int | None = None, window: int | None = None, where: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Step k >= 0 of the TTT attention, (B, nh, T, d): what SDPA over [K_0 | ... | K_k] with `ttt_attention_mask`
     gives, without the (k+1)T-wide score matrix, in memory linear in T (step 0: causal attention over K_0).
 
@@ -54,6 +59,8 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     are contiguous): the prefix is causal inside each document, and a position's own chain is in its document.
     None: one document per row. window: a sliding window of W positions (module docstring); None: full attention.
     A window that covers the row (W >= T + k) is full attention and takes its path.
+    where: (M,) int, sorted distinct stream positions of the M queries (q (B, nh, M, d) and the chain's keys and
+    values (B, nkv, M, d) at those positions; keys[0], values[0] the whole row of T); None: every position, M = T.
 
     kernel "fused": the device's attention kernel over the prefix (CPU: SDPA's flash kernel; CUDA: the flash kernel
     for bf16/fp16 rows of one document, else the memory-efficient one), "chunked" where the device has none or it
@@ -66,10 +73,22 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
         raise ValueError(f"ttt_attention: kernel={kernel!r}; expected 'fused' or 'chunked'")
     if window is not None and window < 1:
         raise ValueError(f"ttt_attention: window={window}; expected at least 1 position or None")
-    if window is not None and window >= q.shape[2] + len(keys) - 1:
+    T, M = keys[0].shape[2], q.shape[2]
+    if where is not None:
+        if where.dim() != 1 or where.numel() != M or (M and (int(where[0]) < 0 or int(where[-1]) >= T or
+                                                              bool((where[1:] <= where[:-1]).any()))):
+            raise ValueError(f"ttt_attention: where {tuple(where.shape)} must be {M} sorted distinct positions "
+                             f"below {T}, one per query")
+        if M and int(where[-1]) == M - 1:  # the first M positions: causal over the first M keys, the fast path
+            keys, values = [keys[0][:, :, :M], *keys[1:]], [values[0][:, :, :M], *values[1:]]
+            documents = None if documents is None else documents[:, :M]
+            T, where = M, None
+    elif M != T:
+        raise ValueError(f"ttt_attention: {M} queries over a row of {T} keys; pass `where`, their positions")
+    if window is not None and window >= T + len(keys) - 1:
         window = None  # every key in reach: full attention, its faster path
-    return _TTTAttention.apply(q.contiguous(), documents, kernel, chunk, window, keys[0], values[0], *keys[1:],
-                               *values[1:])
+    return _TTTAttention.apply(q.contiguous(), documents, kernel, chunk, window, where, keys[0], values[0],
+                               *keys[1:], *values[1:])
 
 
 # ---- the prefix kernels: (output, log-sum-exp) of attention over the step-0 prefix, and its backward ---------------
@@ -176,10 +195,11 @@ def _fused_prefix(device: torch.device):
     return {"cpu": _CpuFlashPrefix, "cuda": _CudaPrefix}.get(device.type)
 
 
-def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device, window: int | None = None, step: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device, window: int | None = None, step: int = 0,
+                   where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi) (B, T): query t sees the step-0 keys lo_t <= s < t + 1, lo_t the start of its document (documents are
-    contiguous; 0 for one document a row), or with a sliding window W at step k, the later of that and t+k-W+1."""
+    contiguous; 0 for one document a row), or with a sliding window W at step k, the later of that and t+k-W+1.
+    where (M,): the queries at those positions only, (B, M)."""
     index = torch.arange(T, device=device).expand(B, T)
     if documents is None:
         lo = torch.zeros_like(index)
@@ -189,6 +209,8 @@ def _prefix_ranges(documents: torch.Tensor | None, B: int, T: int, device, windo
         lo = torch.where(start, index, 0).cummax(-1).values
     if window is not None:
         lo = torch.maximum(lo, index + (step - window + 1))
+    if where is not None:
+        return lo[:, where], index[:, where] + 1
     return lo, index + 1
 
 
@@ -222,10 +244,10 @@ def _fused_backward(prefix, plan, states, upstream, q, k0, v0, out, lse0, lo, hi
     """dq (B, nh, T, d), dK_0, dV_0 (B, nkv, T, d) of the prefix block, the chunks' gradients summed."""
     if plan is None:
         return prefix.backward(upstream, q, k0, v0, out, lse0, None, True, scale, states[0])
-    B, nh, T, d = q.shape
+    B, nh, M, d = q.shape
     exact = torch.promote_types(q.dtype, torch.float32)
-    dq = torch.empty(B, nh, T, d, dtype=exact, device=q.device)
-    dk0 = torch.zeros(B, k0.shape[1], T, d, dtype=exact, device=q.device)
+    dq = torch.empty(B, nh, M, d, dtype=exact, device=q.device)
+    dk0 = torch.zeros(B, k0.shape[1], k0.shape[2], d, dtype=exact, device=q.device)
     dv0 = torch.zeros_like(dk0)
     for (a, b, key_lo, key_hi), state in zip(plan, states):
         keys = slice(key_lo, key_hi)
@@ -264,15 +286,15 @@ class _TTTAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, documents, kernel, chunk, window, k0, v0, *chain):
-        B, nh, T, d = q.shape
-        nkv = k0.shape[1]
+    def forward(ctx, q, documents, kernel, chunk, window, where, k0, v0, *chain):
+        B, nh, T, d = q.shape  # T: the queries (where's M, else the row)
+        nkv, S = k0.shape[1], k0.shape[2]
         G, n, scale = nh // nkv, len(chain) // 2, d ** -0.5
         exact = torch.promote_types(q.dtype, torch.float32)
         # a window of W <= k positions leaves step k no prefix key at all (t+k-W+1 > t), else every query some
         empty = window is not None and window <= n
         prefix = _fused_prefix(q.device) if kernel == "fused" and not empty else None
-        lo, hi = _prefix_ranges(documents, B, T, q.device, window, n)
+        lo, hi = _prefix_ranges(documents, B, S, q.device, window, n, where)
         o0 = None
         if empty:
             plan = states = None
@@ -280,14 +302,14 @@ class _TTTAttention(torch.autograd.Function):
             lse0 = torch.full((B, nh, T), float("-inf"), dtype=exact, device=q.device)
         elif prefix is not None:
             # one causal call over the row; packed rows and windows in chunks, the transient a (B, 1, c, S) bias
-            plan = None if documents is None and window is None else range_chunks(
-                lo, hi, 1, T, chunk or _band_rows(window, B))
+            plan = None if documents is None and window is None and where is None else range_chunks(
+                lo, hi, 1, S, chunk or _band_rows(window, B))
             try:
                 o0, lse0, states = _fused_forward(prefix, plan, q, k0, v0, lo, hi, scale)
             except RuntimeError as error:  # a kernel that refuses these inputs: chunked, never a (T, T) matrix
                 _fallback(prefix, error)
         if o0 is None:
-            prefix, plan, states = None, range_chunks(lo, hi, nh, T, chunk), None
+            prefix, plan, states = None, range_chunks(lo, hi, nh, S, chunk), None
             o0, lse0 = range_forward(q, k0, v0, lo, hi, scale, plan)
         lse0 = lse0.to(exact).view(B, nkv, G, T)  # heads h = j * G + g share kv head j
         if n:
@@ -305,22 +327,22 @@ class _TTTAttention(torch.autograd.Function):
         else:  # step 0: the prefix alone
             weight0 = p_own = None
             out = o0.to(q.dtype)
-        ctx.save_for_backward(q, documents, k0, v0, lse0, weight0, p_own, out, *chain)
+        ctx.save_for_backward(q, documents, where, k0, v0, lse0, weight0, p_own, out, *chain)
         ctx.prefix, ctx.plan, ctx.states, ctx.chunk = prefix, plan, states, chunk  # prefix None: range_attention's
         ctx.window, ctx.empty = window, empty
         return out
 
     @staticmethod
     def backward(ctx, d_out):
-        q, documents, k0, v0, lse0, weight0, p_own, out, *chain = ctx.saved_tensors
+        q, documents, where, k0, v0, lse0, weight0, p_own, out, *chain = ctx.saved_tensors
         B, nh, T, d = q.shape
-        nkv = k0.shape[1]
+        nkv, S = k0.shape[1], k0.shape[2]
         G, n, scale = nh // nkv, len(chain) // 2, d ** -0.5
         exact = torch.promote_types(q.dtype, torch.float32)
         d5 = d_out.to(exact).reshape(B, nkv, G, T, d)
         upstream = d5 if weight0 is None else d5 * weight0[..., None]
         upstream, lse0 = upstream.view(B, nh, T, d), lse0.view(B, nh, T)
-        lo, hi = _prefix_ranges(documents, B, T, q.device, ctx.window, n)
+        lo, hi = _prefix_ranges(documents, B, S, q.device, ctx.window, n, where)
         dq = None
         if ctx.empty:  # no prefix key: the chain's terms alone
             dq, dk0, dv0 = torch.zeros_like(q, dtype=exact), torch.zeros_like(k0), torch.zeros_like(v0)
@@ -331,7 +353,7 @@ class _TTTAttention(torch.autograd.Function):
             except RuntimeError as error:  # range_attention's backward needs only L_0 and the merged output
                 _fallback(ctx.prefix, error)
         if dq is None:
-            plan = ctx.plan if ctx.prefix is None else range_chunks(lo, hi, nh, T, ctx.chunk)
+            plan = ctx.plan if ctx.prefix is None else range_chunks(lo, hi, nh, S, ctx.chunk)
             dq, dk0, dv0 = range_backward(upstream, q, k0, v0, out, lse0, None, lo, hi, scale, plan)
         dq = dq.to(exact)
         d_keys, d_values = [], []
@@ -344,4 +366,5 @@ class _TTTAttention(torch.autograd.Function):
                 ds = ((d5 * v).sum(-1) - rows) * p * scale  # (B, nkv, G, T)
                 dq5 += ds[..., None] * k
                 d_keys.append((ds[..., None] * q5).sum(2).to(chain[j].dtype))
-        return (dq.to(q.dtype), None, None, None, None, dk0.to(k0.dtype), dv0.to(v0.dtype), *d_keys, *d_values)
+        return (dq.to(q.dtype), None, None, None, None, None, dk0.to(k0.dtype), dv0.to(v0.dtype), *d_keys,
+                *d_values)

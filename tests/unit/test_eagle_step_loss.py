@@ -1,6 +1,7 @@
-"""EAGLE-3's per-step token loss chunked over positions (models/eagle/losses.py `step_token_loss`): the same loss,
-step losses, counts and gradients as the unchunked loop it replaced (copied here as the slow reference), and no
-(B, n, Vd) tensor of any TTT step kept for backward."""
+"""EAGLE-3's per-step token loss (models/eagle/losses.py `HeadLoss`: the head's backward in the forward, chunked,
+over the positions read; the later TTT steps over the positions still read): the same loss, step losses, counts and
+gradients as the plain loop over every position's whole logits (copied here as the slow reference), no (B, n, Vd)
+tensor of any TTT step kept for backward, and a second backward refused."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, step_weights, token_loss
 from draftheads.models.eagle import EagleConfig, build_drafter
 from draftheads.models.eagle import losses as eagle_losses
-from draftheads.models.eagle.losses import add_uniform_noise, draft_targets
+from draftheads.models.eagle.losses import HeadLoss, add_uniform_noise, draft_targets
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
 from draftheads.models.verifier import Verifier
 
@@ -78,11 +79,12 @@ def verifier(tiny_verifier_dirs):
     return Verifier.from_pretrained(tiny_verifier_dirs["llama"])
 
 
-def batch(verifier, B=2, T=12, seed=0):
+def batch(verifier, B=2, T=12, seed=0, prompts=(3, 0)):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, verifier.vocab_size, (B, T), generator=g)
     mask = torch.ones_like(ids)
-    mask[0, :3] = 0  # a prompt
+    for row, prompt in enumerate(prompts[:B]):
+        mask[row, :prompt] = 0  # a prompt
     return ids, mask
 
 
@@ -107,8 +109,9 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("chunk_rows", [None, 3])
-def test_chunked_step_loss_equals_the_whole_logits_loop(verifier, monkeypatch, case, chunk_rows):
-    ids, mask = batch(verifier)
+@pytest.mark.parametrize("prompts", [(3, 0), (5, 7)])  # (5, 7): no row reads positions 0..1, later steps a tail
+def test_chunked_step_loss_equals_the_whole_logits_loop(verifier, monkeypatch, case, chunk_rows, prompts):
+    ids, mask = batch(verifier, prompts=prompts)
     counts = torch.bincount(ids.flatten(), minlength=verifier.vocab_size) + 1
     torch.manual_seed(1)
     cfg = EagleConfig(ttt_steps=3, draft_vocab_size=96, noise=0.1, **CASES[case])
@@ -125,8 +128,6 @@ def test_chunked_step_loss_equals_the_whole_logits_loop(verifier, monkeypatch, c
     assert new_grads.keys() == ref_grads.keys() and "lm_head.weight" in new_grads
     for name, grad in ref_grads.items():
         torch.testing.assert_close(new_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
-    if chunk_rows is None:  # one chunk: the same arithmetic, bit for bit
-        assert torch.equal(new.loss, ref.loss)
 
 
 def saved_bytes(fn) -> int:
@@ -144,8 +145,8 @@ def saved_bytes(fn) -> int:
 
 
 def test_no_step_keeps_its_draft_vocabulary_logits_for_backward(verifier):
-    """The reference keeps each step's fp32 softmax (B, n, Vd) for backward; the chunked loss keeps only hidden
-    states: the saved bytes drop by at least the sum of those softmaxes."""
+    """The reference keeps each step's fp32 softmax (B, n, Vd) for backward; HeadLoss keeps the gradients of the
+    steps' hidden rows (B, R, H) and nothing of the logits: the bytes kept drop by at least those softmaxes."""
     B, T, K = 2, 48, 3
     ids, mask = batch(verifier, B, T)
     torch.manual_seed(1)
@@ -154,5 +155,83 @@ def test_no_step_keeps_its_draft_vocabulary_logits_for_backward(verifier):
     Vd = drafter.draft_vocab_size
     softmaxes = sum(4 * B * (T - 2 - k) * Vd for k in range(K))
     ref = saved_bytes(lambda: reference_training_loss(drafter, ids, feats, mask))
-    new = saved_bytes(lambda: drafter.training_loss(ids, feats, mask))
-    assert ref - new >= softmaxes, (ref, new, softmaxes)
+    out = []
+    new = saved_bytes(lambda: out.append(drafter.training_loss(ids, feats, mask)))
+    held = sum(g.nbytes for g in out[0].loss.grad_fn.head.input_grads)  # the hidden rows' gradients, (B, R, H)
+    assert ref - (new + held) >= softmaxes, (ref, new, held, softmaxes)
+
+
+@pytest.mark.parametrize("case", ["packed", "window"])
+def test_packed_rows_and_windows_equal_the_whole_logits_loop(verifier, case):
+    """Packed documents (a chain that runs into the next document is not read) and a sliding window: the later
+    steps' rows are then not a prefix, and their attention takes `where`'s masked path."""
+    ids, mask = batch(verifier, T=16, prompts=(2, 4))
+    positions = torch.tensor([list(range(6)) + list(range(10)), list(range(9)) + list(range(7))])
+    torch.manual_seed(1)
+    cfg = EagleConfig(ttt_steps=4, draft_vocab_size=None, sliding_window=5 if case == "window" else None)
+    drafter = build_drafter(verifier, cfg).train()
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    pos = positions if case == "packed" else None
+
+    def loss_of(fn):
+        return lambda d, *a: fn(d, *a, position_ids=pos)
+
+    new, new_grads = run(drafter, ids, feats, mask, loss_of(type(drafter).training_loss))
+    ref, ref_grads = run(drafter, ids, feats, mask, loss_of(reference_training_loss))
+    torch.testing.assert_close(new.loss, ref.loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(new.step_losses, ref.step_losses, rtol=1e-5, atol=1e-7)
+    for a, b in zip(vars(new.counts).values(), vars(ref.counts).values()):
+        assert torch.equal(a, b)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(new_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_frozen_lm_head_gets_no_gradient_and_the_rest_equal(verifier):
+    ids, mask = batch(verifier, prompts=(4, 2))
+    counts = torch.bincount(ids.flatten(), minlength=verifier.vocab_size) + 1
+    torch.manual_seed(1)
+    drafter = build_drafter(verifier, EagleConfig(ttt_steps=3, draft_vocab_size=96, freeze_lm_head=True),
+                            token_counts=counts).train()
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    new, new_grads = run(drafter, ids, feats, mask, type(drafter).training_loss)
+    ref, ref_grads = run(drafter, ids, feats, mask, reference_training_loss)
+    assert "lm_head.weight" not in new_grads and new_grads.keys() == ref_grads.keys()
+    torch.testing.assert_close(new.loss, ref.loss, rtol=1e-5, atol=1e-7)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(new_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_second_backward_is_refused(verifier):
+    ids, mask = batch(verifier)
+    drafter = build_drafter(verifier, EagleConfig(ttt_steps=2, draft_vocab_size=None)).train()
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    loss = drafter.training_loss(ids, feats, mask).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the EAGLE-3 head loss"):
+        loss.backward()
+
+
+def test_head_loss_equals_autograd_and_refuses_bad_shapes():
+    """HeadLoss alone, fp64, two steps over chosen rows, against autograd over the whole logits."""
+    g = torch.Generator().manual_seed(0)
+    B, n, H, V = 2, 9, 6, 11
+    norm = torch.nn.RMSNorm(H, eps=1e-6, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    weight = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
+    hidden = [torch.randn(B, n, H, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2)]
+    p = torch.softmax(torch.randn(B, n, V, dtype=torch.float64, generator=g), -1)
+    rows = [torch.tensor([1, 2, 5, 8]), torch.arange(4)]
+    masks = [torch.rand(B, n, generator=g) > 0.3 for _ in range(2)]
+    head = HeadLoss(norm, weight, chunk_rows=3)
+    for k, (h, r, m) in enumerate(zip(hidden, rows, masks)):
+        m[:, ~torch.isin(torch.arange(n), r)] = False
+        head.step(h[:, r], p, m[:, r].double() / m.sum(), p.sum(-1), r, step_weight=0.8 ** k)
+    got = torch.autograd.grad(head.loss(), [*hidden, weight, norm.weight])
+    want_loss = sum(0.8 ** k * masked_mean(soft_cross_entropy(torch.nn.functional.linear(norm(h), weight), p), m)
+                    for k, (h, m) in enumerate(zip(hidden, masks)))
+    want = torch.autograd.grad(want_loss, [*hidden, weight, norm.weight])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="expected \\(B, R, H\\), \\(B, R\\), \\(R,\\)"):
+        HeadLoss(norm, weight).step(hidden[0], p, torch.ones(B, n - 1, dtype=torch.float64))

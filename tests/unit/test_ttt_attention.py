@@ -303,3 +303,45 @@ def test_a_window_bounds_the_fused_kernels_work_by_T_times_W():
     plan = range_chunks(lo, hi, 1, T, _band_rows(W, 1))
     work = sum((b - a) * (key_hi - key_lo) for a, b, key_lo, key_hi in plan)
     assert work <= 2 * T * W < T * T / 8
+
+
+def where_cases(T):
+    """Query positions a later TTT step computes: a prefix (the causal fast path), a tail after a prompt, gaps."""
+    return {"prefix": torch.arange(T - 5), "tail": torch.arange(9, T - 3), "gaps": torch.tensor([0, 3, 4, 11, 12, 20,
+                                                                                                  T - 1])}
+
+
+@pytest.mark.parametrize("case", ["prefix", "tail", "gaps"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("options", [dict(kernel="fused"), dict(kernel="chunked", chunk=5), dict(window=6)])
+def test_where_equals_the_full_computation_at_those_positions(case, packed, options):
+    """Queries at `where` only (the chain's keys there too) give the full step's rows at those positions, and the
+    same gradients for q, the chain and the whole prefix of a loss that reads those rows."""
+    q, keys, values = inputs(torch.float64, 2, 3)
+    T = q.shape[2]
+    where = where_cases(T)[case]
+    documents = document_ids(positions(T)) if packed else None
+    weights = torch.randn(2, 4, len(where), 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    full = ttt_attention(q, keys, values, documents, **options)[:, :, where]
+    want = torch.autograd.grad((full * weights).sum(), [q, *keys, *values])
+
+    sub = [x.detach()[:, :, where].requires_grad_() for x in (q, *keys[1:], *values[1:])]
+    q_w, chain = sub[0], sub[1:]
+    out = ttt_attention(q_w, [keys[0], *chain[:3]], [values[0], *chain[3:]], documents, where=where, **options)
+    torch.testing.assert_close(out, full, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad((out * weights).sum(), [q_w, keys[0], values[0], *chain])
+    torch.testing.assert_close(got[0], want[0][:, :, where])
+    torch.testing.assert_close(got[1], want[1])  # dK_0 over the whole row
+    torch.testing.assert_close(got[2], want[1 + len(keys)])  # dV_0
+    for j in range(3):
+        torch.testing.assert_close(got[3 + j], want[2 + j][:, :, where], msg=f"dk{j + 1}")
+        torch.testing.assert_close(got[6 + j], want[2 + len(keys) + j][:, :, where], msg=f"dv{j + 1}")
+
+
+def test_bad_where_is_refused():
+    q, keys, values = inputs(torch.float32, 2, 1)
+    with pytest.raises(ValueError, match="sorted distinct positions"):
+        ttt_attention(q[:, :, :3], [keys[0], keys[1][:, :, :3]], [values[0], values[1][:, :, :3]],
+                      where=torch.tensor([4, 2, 9]))
+    with pytest.raises(ValueError, match="pass `where`"):
+        ttt_attention(q[:, :, :3], [keys[0], keys[1][:, :, :3]], [values[0], values[1][:, :, :3]])
