@@ -107,14 +107,18 @@ def inputs_of(verifier_folder: Path, args, known: dict | None = None) -> dict:
     return out
 
 
-def start_record(folder: Path, now: dict, inputs: dict) -> dict:
-    """DIR/regenerate.json: a new one, or the one there when it was written with these settings and inputs."""
+def new_record(now: dict, inputs: dict) -> dict:
+    """DIR/regenerate.json of a capture that has answered nothing yet."""
+    return {"format": RECORD_FORMAT, "settings": now, "inputs": inputs,
+            "answered": {"rows": 0, "bytes": 0, "written": 0, "seed": now["seed"], "skipped": {}}, "out": None}
+
+
+def earlier_record(folder: Path, now: dict, inputs: dict) -> dict | None:
+    """DIR/regenerate.json when an earlier start wrote it with these settings and inputs (None when there is none);
+    CacheError naming what differs otherwise."""
     path = folder / RECORD
     if not path.is_file():
-        record = {"format": RECORD_FORMAT, "settings": now, "inputs": inputs,
-                  "answered": {"rows": 0, "bytes": 0, "written": 0, "seed": now["seed"], "skipped": {}}, "out": None}
-        write_json(path, record)
-        return record
+        return None
     try:
         record = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -164,8 +168,9 @@ def run(args, cfg, verifier_folder: Path, dtype: str, answer, say=print) -> Capt
     check_config(cfg, verifier_folder, out, dtype)
     claim_output(folder, "cache", "--capture")
     now = settings(args, cfg, dtype)
-    record = start_record(folder, now, inputs_of(verifier_folder, args, _recorded_inputs(folder)))
-    done = record["out"]
+    inputs = inputs_of(verifier_folder, args, _recorded_inputs(folder))
+    record = earlier_record(folder, now, inputs)
+    done = record and record["out"]
     if done and (not out.is_file() or sha256_file(out) != done["sha256"]):
         raise CacheError(f"--out {out}: not the rows this capture wrote (sha256 {done['sha256'][:8]} in "
                          f"{folder / RECORD}); put them back, or delete {folder} to start again")
@@ -177,6 +182,9 @@ def run(args, cfg, verifier_folder: Path, dtype: str, answer, say=print) -> Capt
     if max_model_len < cfg.data.seq_len + 1:
         raise CacheError(f"--config: data.seq_len={cfg.data.seq_len} does not fit vLLM's context of {max_model_len} "
                          "tokens (--max-model-len) with the one token a capture generates")
+    if record is None:  # written once what can be refused without vLLM was: the folder is this command's from here
+        record = new_record(now, inputs)
+        write_json(folder / RECORD, record)
     storage = folder / ".vllm-states" / "0"  # where dump-features' own engine puts them
     engine = None  # with the answers all written, dump-features starts one if a shard is left to capture
     answered_here = 0

@@ -9,7 +9,7 @@ import torch
 
 from draftheads.data.hidden_states import FORMAT, VERSION, CacheError, read_index
 from draftheads.models.outputs import kind_of
-from draftheads.train.regenerate_capture import RECORD, check_config, setting_change, start_record
+from draftheads.train.regenerate_capture import RECORD, check_config, earlier_record, new_record, setting_change
 from draftheads.train.vllm_backend import documents
 
 
@@ -57,19 +57,20 @@ def test_a_setting_that_differs_is_named_as_its_flag_or_config_key():
 
 def test_the_record_is_kept_for_the_same_run_and_refuses_another(tmp_path):
     inputs = {"--verifier": {"source": "v", "files": {}, "digest": "aa"}}
-    record = start_record(tmp_path, SETTINGS, inputs)
+    assert earlier_record(tmp_path, SETTINGS, inputs) is None
+    record = new_record(SETTINGS, inputs)
     assert record["answered"] == {"rows": 0, "bytes": 0, "written": 0, "seed": 0, "skipped": {}}
-    assert kind_of(tmp_path) == "cache"  # a folder mid-answering is a cache being made: a rerun may continue it
     record["answered"]["rows"] = 4
     (tmp_path / RECORD).write_text(json.dumps(record))
-    assert start_record(tmp_path, SETTINGS, inputs)["answered"]["rows"] == 4
+    assert kind_of(tmp_path) == "cache"  # a folder mid-answering is a cache being made: a rerun may continue it
+    assert earlier_record(tmp_path, SETTINGS, inputs)["answered"]["rows"] == 4
     with pytest.raises(CacheError, match="started with --dtype 'float32', this run has --dtype 'bfloat16'"):
-        start_record(tmp_path, {**SETTINGS, "dtype": "bfloat16"}, inputs)
+        earlier_record(tmp_path, {**SETTINGS, "dtype": "bfloat16"}, inputs)
     with pytest.raises(CacheError, match=r"other inputs \(--verifier"):
-        start_record(tmp_path, SETTINGS, {"--verifier": {"source": "v", "files": {}, "digest": "bb"}})
+        earlier_record(tmp_path, SETTINGS, {"--verifier": {"source": "v", "files": {}, "digest": "bb"}})
     (tmp_path / RECORD).write_text("{")
     with pytest.raises(CacheError, match="not valid JSON"):
-        start_record(tmp_path, SETTINGS, inputs)
+        earlier_record(tmp_path, SETTINGS, inputs)
 
 
 def test_zeros_padding_leaves_the_padding_out_of_the_requests():
