@@ -199,8 +199,9 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     micro = batch_size or cfg.train.batch_size
     written, skipped = [], []
     started = time.perf_counter()
-    own_engine = engine is None  # else the caller's, left running
-    # vLLM, started at the first shard to compute (a finished cache costs no start)
+    # vLLM: the caller's (left running), else ours, started at the first shard to compute (a finished cache costs
+    # no start)
+    own_engine = engine is None
     try:
         for split, ds in datasets.items():
             n_shards = -(-len(ds) // rows_per_shard)
