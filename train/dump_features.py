@@ -308,7 +308,7 @@ def write_index(folder: Path, plan: dict) -> dict:
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------------------
-def _config_class(method: str | None, argv: list[str]):
+def config_class(method: str | None, argv: list[str]):
     """The trainer's config class: from --method, else from the YAML's method section."""
     if method is None:
         import yaml
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftheads.train.cli import user_errors
 
     try:
-        cfg = parse_config(_config_class(args.method, rest), rest, prog="draftheads dump-features")
+        cfg = parse_config(config_class(args.method, rest), rest, prog="draftheads dump-features")
         out = args.out or cfg.feature_cache
         if not out:
             raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")

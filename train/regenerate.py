@@ -339,13 +339,13 @@ def _capture(args, rest: list[str]) -> None:
     from draftheads.models.outputs import OutputInTheWay
     from draftheads.train.cli import user_errors
     from draftheads.train.config import ConfigError, parse_config
-    from draftheads.train.dump_features import _config_class
+    from draftheads.train.dump_features import config_class
     from draftheads.train.regenerate_capture import run
 
     # --verifier is the trainer's key too: given, it overrides the YAML's, as in `draftheads train`
     config = ["--config", args.config, *rest, *([f"--verifier={args.verifier}"] if args.verifier else [])]
     try:
-        cfg = parse_config(_config_class(None, config), config, prog="draftheads regenerate --config")
+        cfg = parse_config(config_class(None, config), config, prog="draftheads regenerate --config")
         folder = check_model_folder(resolve_verifier(cfg.verifier))
         check_writable(args.out)
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -365,11 +365,12 @@ def _capture(args, rest: list[str]) -> None:
     except OSError as e:
         sys.exit(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}; what was answered and captured "
                  f"is kept in {args.capture}, and rerunning the same command continues")
-    share = result.cached_tokens / max(result.captured_tokens, 1)
     notes = "; ".join(f"{n} {what}" for what, n in result.skipped.items())
+    served = (f"; vLLM's prefix cache served {result.cached_tokens / result.captured_tokens:.0%} of the captured "
+              "tokens" if result.captured_tokens else "")
     print(f"wrote {result.rows} rows to {args.out}" + (f" ({notes})" if notes else "")
           + f" and their features to {args.capture} ({len(result.shards_written)} shards captured, "
-          f"{len(result.shards_skipped)} already done; vLLM's prefix cache served {share:.0%} of the captured tokens)")
+          f"{len(result.shards_skipped)} already done{served})")
 
 
 if __name__ == "__main__":

@@ -182,6 +182,19 @@ def test_a_run_killed_while_answering_continues_to_the_same_rows_and_shards(cach
     assert not (folder / "regenerated.jsonl.partial").exists()
 
 
+def test_a_finished_capture_run_again_changes_nothing_and_starts_no_engine(caches, setup, capsys):
+    out, one_pass, _, _ = caches
+    _, verifier, source = setup
+    before = {p.name: p.read_bytes() for p in one_pass.iterdir()}
+    started = time.perf_counter()
+    reset_accelerate()
+    regenerate_cli(flags(verifier, source, out, one_pass))
+    reset_accelerate()
+    assert "(0 shards captured, 6 already done)" in capsys.readouterr().out.splitlines()[-1]
+    assert time.perf_counter() - started < 10  # vLLM alone takes ~15 s to start
+    assert {p.name: p.read_bytes() for p in one_pass.iterdir()} == before
+
+
 def run_cli(args, capsys) -> tuple[int, list[str]]:
     reset_accelerate()
     try:
