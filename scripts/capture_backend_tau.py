@@ -131,38 +131,46 @@ def main(argv=None) -> int:
         print(f"[tau] seed {seed}: tau HF cache {taus['hf']:.3f}, one-pass vLLM cache {taus['one-pass']:.3f} "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
 
-    hf_diff = max(v for k, v in diffs.items() if k.startswith("HF"))
-    lines = ["| seed | train rows | tau, HF cache | tau, one-pass vLLM cache |", "|---:|---:|---:|---:|"]
-    lines += [f"| {s} | {n} | {a:.3f} | {b:.3f} |" for s, n, a, b in rows]
-    lines.append(f"| mean | | {statistics.mean(r[2] for r in rows):.3f} | {statistics.mean(r[3] for r in rows):.3f} |")
-    command = ("python scripts/capture_backend_tau.py --seeds " + " ".join(map(str, args.seeds))
-               + f" --steps {args.steps} --rows {args.rows}")
-    table = "\n".join(lines)
-    summary = (f"Max abs feature difference at real tokens, one-pass cache against `dump-features --backend vllm` "
-               f"of the same rows: {diffs['dump-features --backend vllm']:.3g}; against the HF cache: "
-               f"{hf_diff:.3g} (fp32). vLLM's prefix cache served {', '.join(served)} of the captured tokens "
-               f"(seeds {', '.join(map(str, args.seeds))}).")
-    print(table + "\n\n" + summary)
+    result = {"rows": rows, "diffs": diffs, "served": served, "seconds": round(time.perf_counter() - started),
+              "settings": {k: getattr(args, k) for k in ("seeds", "steps", "rows", "eval_rows")}}
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    page = render(result)
+    print(page)
     if args.write:
         from draftheads.models.atomic import write_text
 
-        write_text(args.write, f"""# Capture backend and tau
-
-A drafter trained from the cache that `draftheads regenerate --backend vllm --capture` writes (one vLLM engine
-answers the rows and captures their hidden states) decodes like one trained from the Hugging Face cache of the same
-rows: EAGLE-3 on the embedded micro verifier (4 layers, hidden 128), {args.steps} steps, fp32, this CPU; tau is the
-trainer's end-of-run figure (the exported drafter on {args.eval_rows} held-out rows, {CONSISTENCY_NEW_TOKENS} new tokens each, greedy,
-bonus token counted).
-
-{table}
-
-{summary}
-
-`{command}` ({time.perf_counter() - started:.0f} s on 2 CPU cores; each seed answers and captures its own rows, as
-train.seed orders them).
-""")
-        print(f"wrote {args.write}")
+        write_text(args.write, page)
+        print(f"wrote {args.write} (the figures: {work / 'result.json'})")
     return 0
+
+
+def render(result: dict) -> str:
+    """The markdown page of one run's figures (`result.json` under --work)."""
+    import textwrap
+
+    rows, diffs, served, settings = result["rows"], result["diffs"], result["served"], result["settings"]
+    hf_diff = max(v for k, v in diffs.items() if k.startswith("HF"))
+    table = ["| seed | train rows | tau, HF cache | tau, one-pass vLLM cache |", "|---:|---:|---:|---:|"]
+    table += [f"| {s} | {n} | {a:.3f} | {b:.3f} |" for s, n, a, b in rows]
+    table.append(f"| mean | | {statistics.mean(r[2] for r in rows):.3f} | {statistics.mean(r[3] for r in rows):.3f} |")
+    seeds = " ".join(map(str, settings["seeds"]))
+    command = f"python scripts/capture_backend_tau.py --seeds {seeds} --steps {settings['steps']} --rows {settings['rows']}"
+
+    def para(text: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width=118, break_on_hyphens=False, break_long_words=False)
+
+    intro = para(f"""EAGLE-3 trained from the cache that `draftheads regenerate --backend vllm --capture` writes (one vLLM
+        engine answers the rows and captures their hidden states) against EAGLE-3 trained from the Hugging Face cache
+        of the same rows, same config and seed: the embedded micro verifier (4 layers, hidden 128), {settings['steps']}
+        steps, fp32, this CPU. tau is the trainer's end-of-run figure: the exported drafter on {settings['eval_rows']}
+        held-out rows, {CONSISTENCY_NEW_TOKENS} new tokens each, greedy, the bonus token counted.""")
+    summary = para(f"""Max abs feature difference at the rows' real tokens, the one-pass cache against `dump-features
+        --backend vllm` of the same rows: {diffs['dump-features --backend vllm']:.3g}; against the HF cache:
+        {hf_diff:.3g} (fp32). vLLM's prefix cache served {', '.join(served)} of the captured tokens (seeds
+        {', '.join(map(str, settings['seeds']))}).""")
+    how = para(f"""`{command}` ({result['seconds']} s on 2 shared CPU cores); each seed answers and captures its own
+        rows, as train.seed orders them and picks the held-out ones.""")
+    return "# Capture backend and tau\n\n" + intro + "\n\n" + "\n".join(table) + "\n\n" + summary + "\n\n" + how + "\n"
 
 
 if __name__ == "__main__":
