@@ -9,7 +9,9 @@ training rows built from those answers, in one engine, so the verifier runs over
 One vLLM engine does both, with `extract_hidden_states` and vLLM's prefix cache on: the captured states live in a
 cache-only layer's KV blocks, so the blocks a conversation filled while its answers were generated are served again
 when the training row holding it is captured, and are not computed twice. Only whole blocks are shared, so they are
-small (BLOCK_SIZE tokens: with the CPU build's default of 128, rows of a few hundred tokens shared none). The training
+small: BLOCK_SIZE tokens, the CPU build's smallest preferred size (its default is 128). On tiny-micro's stdlib rows
+of ~190 tokens the prefix cache served 83% of the captured tokens with 32-token blocks, 66% with 128; a row shorter
+than a block shares none. The training
 rows are built from --out by the trainer's own data code once every answer is written (as `dump-features` builds
 them, then written by its machinery: shards, sidecars, plan.json, index.json); a row's right padding is not run and
 is stored as zeros (`padding: zeros` in index.json; no loss reads it).
@@ -42,7 +44,7 @@ from draftheads.models.outputs import CACHE_REGENERATE
 RECORD = CACHE_REGENERATE
 PARTIAL = "regenerated.jsonl.partial"
 RECORD_FORMAT = "draftheads-regenerate-capture"
-#: Tokens per KV block: the prefix cache shares whole blocks only.
+#: Tokens per KV block: the prefix cache shares whole blocks only (module docstring).
 BLOCK_SIZE = 32
 #: The flag (or config key) each recorded setting comes from, for the refusal of a rerun that differs.
 SETTING_NAMES = {"out": "--out", "format": "--format", "num_rows": "--num-rows", "max_new_tokens": "--max-new-tokens",
