@@ -36,7 +36,8 @@ def config_args(out: Path, output_dir: Path, seed: int, args) -> list[str]:
             f"--data.source={out}", f"--output_dir={output_dir}", f"--data.seq_len={args.seq_len}",
             f"--data.eval_rows={args.eval_rows}", f"--train.seed={seed}", f"--train.max_steps={args.steps}",
             "--train.save_every=0", "--train.eval_every=0", f"--train.log_every={args.steps}",
-            "--train.mixed_precision=no", f"--train.warmup_steps={max(1, args.steps // 10)}", "--eagle.layer_ids=[1,2,3]",
+            "--train.mixed_precision=no", f"--train.warmup_steps={max(1, args.steps // 10)}",
+            "--eagle.layer_ids=[1,2,3]",
             "--eagle.draft_vocab_size=512", "--wandb.enabled=false", f"--consistency.num_prompts={args.eval_rows}",
             f"--consistency.max_new_tokens={CONSISTENCY_NEW_TOKENS}"]
 
@@ -154,13 +155,14 @@ def render(result: dict) -> str:
     table += [f"| {s} | {n} | {a:.3f} | {b:.3f} |" for s, n, a, b in rows]
     table.append(f"| mean | | {statistics.mean(r[2] for r in rows):.3f} | {statistics.mean(r[3] for r in rows):.3f} |")
     seeds = " ".join(map(str, settings["seeds"]))
-    command = f"python scripts/capture_backend_tau.py --seeds {seeds} --steps {settings['steps']} --rows {settings['rows']}"
+    command = (f"python scripts/capture_backend_tau.py --seeds {seeds} --steps {settings['steps']} "
+               f"--rows {settings['rows']}")
 
     def para(text: str) -> str:
         return textwrap.fill(" ".join(text.split()), width=118, break_on_hyphens=False, break_long_words=False)
 
-    intro = para(f"""EAGLE-3 trained from the cache that `draftheads regenerate --backend vllm --capture` writes (one vLLM
-        engine answers the rows and captures their hidden states) against EAGLE-3 trained from the Hugging Face cache
+    intro = para(f"""EAGLE-3 trained from the cache that `draftheads regenerate --backend vllm --capture` writes (one
+        vLLM engine answers the rows and captures their hidden states) against EAGLE-3 trained from the Hugging Face cache
         of the same rows, same config and seed: the embedded micro verifier (4 layers, hidden 128), {settings['steps']}
         steps, fp32, this CPU. tau is the trainer's end-of-run figure: the exported drafter on {settings['eval_rows']}
         held-out rows, {CONSISTENCY_NEW_TOKENS} new tokens each, greedy, the bonus token counted.""")

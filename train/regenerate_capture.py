@@ -9,18 +9,18 @@ training rows built from those answers, in one engine, so the verifier runs over
 One vLLM engine does both, with `extract_hidden_states` and vLLM's prefix cache on: the captured states live in a
 cache-only layer's KV blocks, so the blocks a conversation filled while its answers were generated are served again
 when the training row holding it is captured, and are not computed twice. Only whole blocks are shared, so they are
-small: BLOCK_SIZE tokens, the CPU build's smallest preferred size (its default is 128). On tiny-micro's stdlib rows
-of ~190 tokens the prefix cache served 83% of the captured tokens with 32-token blocks, 66% with 128; a row shorter
-than a block shares none. The training
-rows are built from --out by the trainer's own data code once every answer is written (as `dump-features` builds
-them, then written by its machinery: shards, sidecars, plan.json, index.json); a row's right padding is not run and
-is stored as zeros (`padding: zeros` in index.json; no loss reads it).
+small: BLOCK_SIZE tokens, the CPU build's smallest preferred size (its default is 128). On tiny-micro's stdlib rows of
+~190 tokens the prefix cache served 83% of the captured tokens with 32-token blocks, 66% with 128; a row shorter than
+a block shares none. The training rows are built from --out by the trainer's own data code once every answer is
+written (as `dump-features` builds them, then written by its machinery: shards, sidecars, plan.json, index.json); a
+row's right padding is not run and is stored as zeros (`padding: zeros` in index.json; no loss reads it).
 
 --config (plus the trainer's --key=value overrides, --verifier among them) is the training run the cache is for, and
-must agree with this command: its verifier answers, its data.source is --out, its verifier_dtype is --dtype. DIR/regenerate.json records the settings, the inputs by content, and how far the answers got (source
-rows answered, the bytes of DIR/regenerated.jsonl.partial kept, the next request seed); rerunning the same command
-after a crash continues from there to the same --out and cache (shards already captured are kept); a rerun with
-other settings or inputs is refused, naming what differs.
+must agree with this command: its verifier answers, its data.source is --out, its verifier_dtype is --dtype.
+DIR/regenerate.json records the settings, the inputs by content, and how far the answers got (source rows answered,
+the bytes of DIR/regenerated.jsonl.partial kept, the next request seed); rerunning the same command after a crash
+continues from there to the same --out and cache (shards already captured are kept); a rerun with other settings or
+inputs is refused, naming what differs.
 """
 
 from __future__ import annotations
