@@ -19,6 +19,11 @@ builds (the rows training sees):
     dflash         layers (N, L, T, H): the outputs of the target layers (`dflash.target_layer_ids`), stored as the
                    inputs of layers id + 1
 
+A row's right padding (attention_mask 0, loss_mask 0) is never read as a feature: the drafter's attention is
+causal and its losses skip it. index.json records what it holds (`padding`): `joined`, the states of the pad tokens
+run as part of the row's last document (what `dump-features` computes, either backend), or `zeros`, not computed
+(`regenerate --capture`). A run may train from either: the two agree on every position it reads.
+
 Logits are never stored: wherever a loss reads the verifier's distribution (Medusa `distill`, EAGLE-1's token loss,
 EAGLE-3's targets over the draft vocabulary and its full-vocabulary argmax), it is `lm_head(final)`, which the
 offline source recomputes with the verifier's own lm_head (the verifier is loaded, never run). That is exact,
@@ -56,6 +61,8 @@ METHODS = ("medusa", "eagle1", "eagle3", "dflash")
 #: extract_hidden_states (train/vllm_backend.py); both write the same format.
 BACKENDS = ("hf", "vllm")
 SPLITS = ("train", "eval")
+#: What a cache stores at a row's right padding (module docstring); a cache that records none joined it.
+PADDINGS = ("joined", "zeros")
 #: Feature dtypes a cache may store: name -> (safetensors dtype code, bytes per value).
 FEATURE_DTYPES = {"bfloat16": ("BF16", 2), "float16": ("F16", 2), "float32": ("F32", 4)}
 TOKEN_DTYPES = {"input_ids": torch.int32, "attention_mask": torch.int8, "loss_mask": torch.int8,
@@ -143,6 +150,8 @@ def read_index(folder: str | os.PathLike) -> dict:
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise CacheError(f"{path}: format {index.get('format')!r} version {index.get('version')!r}; expected "
                          f"{FORMAT!r} version {VERSION}")
+    if index.setdefault("padding", PADDINGS[0]) not in PADDINGS:
+        raise CacheError(f"{path}: padding={index['padding']!r}; expected one of {PADDINGS}")
     return index
 
 

@@ -25,6 +25,7 @@ from draftheads.models.atomic import LOCK_FILE
 RUN_FILE = "run.json"                   # train/run_folder.py: a training run's record
 CACHE_INDEX = "index.json"              # data/hidden_states.py: a feature cache's index (and its plan.json)
 CACHE_PLAN = "plan.json"
+CACHE_REGENERATE = "regenerate.json"   # train/regenerate_capture.py: a cache whose rows are being regenerated first
 EVAL_RESULTS = "results.json"           # draftheads eval
 TUNE_RESULTS = "tune.json"              # draftheads tune
 VERIFIER_BUILD = "draftheads_build.json"  # models/tiny/recipe.py BUILD_INFO: a built embedded verifier
@@ -48,7 +49,7 @@ def _is_run(folder: Path) -> bool:
 
 
 def _is_cache(folder: Path) -> bool:
-    return (folder / CACHE_INDEX).is_file() or (folder / CACHE_PLAN).is_file()
+    return any((folder / name).is_file() for name in (CACHE_INDEX, CACHE_PLAN, CACHE_REGENERATE))
 
 
 def _is_drafter(folder: Path) -> bool:

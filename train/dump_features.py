@@ -40,6 +40,7 @@ from draftheads.data.hidden_states import (
     FEATURE_DTYPES,
     FORMAT,
     METHODS,
+    PADDINGS,
     SPLITS,
     TOKEN_DTYPES,
     VERSION,
@@ -60,8 +61,9 @@ from draftheads.train.config import ConfigError, parse_config
 from draftheads.train.placement import load_verifier
 from draftheads.train.vllm_backend import VllmFeatures, aux_ids, start_capture
 
-#: What a plan started before a key existed had (a cache started before backends were recorded was HF's).
-PLAN_ADDED = {"backend": "hf"}
+#: What a plan started before a key existed had (a cache started before backends were recorded was HF's, and joined
+#: its padding).
+PLAN_ADDED = {"backend": "hf", "padding": "joined"}
 
 
 # ---- what a run needs ----------------------------------------------------------------------------------------------
@@ -106,12 +108,16 @@ class DumpResult:
 
 
 def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "bfloat16", rows_per_shard: int = 256,
-         batch_size: int | None = None, say=print, backend: str = "hf", tensor_parallel_size: int = 1) -> DumpResult:
+         batch_size: int | None = None, say=print, backend: str = "hf", tensor_parallel_size: int = 1,
+         padding: str = "joined", engine=None, loaded: tuple | None = None) -> DumpResult:
     """Run the frozen verifier over the run's train and held-out rows and write the cache to `out` (see module doc).
 
     Works in one process or under `accelerate launch` (shard i by process i % world size). Shards already done are
     skipped, so rerunning the same command after a crash continues. `backend`: "hf" (this process's forward) or
-    "vllm" (vLLM's extract_hidden_states, `tensor_parallel_size` devices per process).
+    "vllm" (vLLM's extract_hidden_states, `tensor_parallel_size` devices per process). `padding`: what a row's
+    right padding holds (data/hidden_states.py; "zeros" with vllm only). `engine`: a started vLLM capture engine to
+    use (the caller's, left running), else one is started at the first shard to compute; `loaded`: the verifier
+    (head only with vllm) and tokenizer already loaded for this config.
     """
     from accelerate import PartialState
 
@@ -124,6 +130,8 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
         raise CacheError(f"dtype={dtype!r}: expected one of {sorted(FEATURE_DTYPES)}")
     if rows_per_shard < 1:
         raise CacheError(f"rows_per_shard={rows_per_shard}: expected a positive count")
+    if padding not in PADDINGS or (padding != "joined" and backend != "vllm"):
+        raise CacheError(f"padding={padding!r}: expected 'joined', or one of {PADDINGS} with backend vllm")
     implied = method_of(cfg)
     method = method or implied
     if method not in METHODS:
@@ -155,7 +163,8 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
             raise CacheError(f"{plan_path}: this cache was started from other inputs ({'; '.join(changed)}); use a "
                              f"new --out folder or delete {folder}")
     # vLLM holds the verifier on the device; this process reads only its head (shape, fingerprint, final norm)
-    verifier, tokenizer = load_verifier(cfg, "cpu" if backend == "vllm" else state.device, head_only=backend == "vllm")
+    verifier, tokenizer = loaded or load_verifier(cfg, "cpu" if backend == "vllm" else state.device,
+                                                  head_only=backend == "vllm")
     if cfg.data.pack and cfg.data.document_mask and backend == "hf":
         verifier.check_document_mask()  # one short forward: refuse a model that would attend across documents
     layer_ids = layers_for(method, cfg, verifier)
@@ -164,7 +173,7 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
             "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
             "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
             "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs,
-            "backend": backend}
+            "backend": backend, "padding": padding}
     if before:
         was = {**PLAN_ADDED, **before}
         changed = [k for k in plan if k != "inputs" and was.get(k) != plan[k]]
@@ -190,7 +199,9 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     micro = batch_size or cfg.train.batch_size
     written, skipped = [], []
     started = time.perf_counter()
-    engine = None  # vLLM, started at the first shard to compute (a finished cache costs no start)
+    # vLLM: the caller's (left running), else ours, started at the first shard to compute (a finished cache costs
+    # no start)
+    own_engine = engine is None
     try:
         for split, ds in datasets.items():
             n_shards = -(-len(ds) // rows_per_shard)
@@ -204,14 +215,14 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
                 if backend == "vllm":
                     if engine is None:
                         engine = _start_vllm(cfg, verifier, layer_ids, folder, state, tensor_parallel_size, say)
-                    tensors = VllmFeatures(engine, verifier, layer_ids, to_dtype(dtype))(rows)
+                    tensors = VllmFeatures(engine, verifier, layer_ids, to_dtype(dtype), padding)(rows)
                 else:
                     tensors = _run_verifier(verifier, rows, layer_ids, to_dtype(dtype), micro)
                 _write_shard(folder, name, tensors, hi - lo, plan)
                 written.append(name)
                 say(f"[dump] {name}: {hi - lo} rows ({time.perf_counter() - started:.0f} s)")
     finally:
-        if engine is not None:
+        if engine is not None and own_engine:
             engine.close()
             shutil.rmtree(engine.storage, ignore_errors=True)
             with contextlib.suppress(OSError):  # the last process out removes the folder
@@ -297,7 +308,7 @@ def write_index(folder: Path, plan: dict) -> dict:
 
 
 # ---- CLI -----------------------------------------------------------------------------------------------------------
-def _config_class(method: str | None, argv: list[str]):
+def config_class(method: str | None, argv: list[str]):
     """The trainer's config class: from --method, else from the YAML's method section."""
     if method is None:
         import yaml
@@ -352,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     from draftheads.train.cli import user_errors
 
     try:
-        cfg = parse_config(_config_class(args.method, rest), rest, prog="draftheads dump-features")
+        cfg = parse_config(config_class(args.method, rest), rest, prog="draftheads dump-features")
         out = args.out or cfg.feature_cache
         if not out:
             raise CacheError("no output folder: pass --out DIR (or set feature_cache in the config)")

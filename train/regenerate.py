@@ -5,6 +5,8 @@
         --max-new-tokens 512 --batch-size 32 --temperature 0.7
     draftheads regenerate --backend vllm --tensor-parallel-size 4 --verifier ./Llama-3.3-70B-Instruct \\
         --source sharegpt.json --out regen.jsonl --max-new-tokens 1024 --batch-size 1024
+    draftheads regenerate --backend vllm --source sharegpt.json --out regen.jsonl --capture cache/regen \
+        --config configs/llama3-8b-eagle3.yaml --data.source=regen.jsonl   # + the training rows' hidden states
 
 A drafter learns to predict the verifier, so it learns best from the verifier's own outputs rather than from text
 someone else wrote (the self-distillation of Medusa-2 and EAGLE). Chat rows: the verifier answers each user turn
@@ -17,7 +19,9 @@ Two backends write the same rows: `hf` (Hugging Face `generate` in this process,
 the default and the reference) and `vllm` (vLLM's offline LLM in its own environment, eval/interop/vllm_data.py:
 each batch of --batch-size rows is handed to vLLM at once and batched continuously, with --tensor-parallel-size
 devices). Both stop an answer at the same stop tokens and decode it with the same tokenizer here; at temperature 0
-they differ only where the two computations round a near-tie differently.
+they differ only where the two computations round a near-tie differently. With --capture DIR --config TRAIN.yaml
+(vllm), the same engine then captures the verifier's hidden states of the training rows built from --out into a
+feature cache in DIR, which `--features=offline --feature_cache=DIR` reads (train/regenerate_capture.py).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 
 from draftheads.data.chat import end_of_turn_ids, render_chat, resolve_chat_template
 from draftheads.data.config import DataError
+from draftheads.data.hidden_states import FEATURE_DTYPES
 from draftheads.data.progress import EtaBar, quiet
 from draftheads.data.sources import load_source
 from draftheads.models.atomic import atomic_path
@@ -225,7 +230,8 @@ def load_for_generation(folder: str | Path, dtype: str = "auto", device: str | N
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="draftheads regenerate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--verifier", required=True, help="model folder, embedded name (tiny-code) or hub id")
+    p.add_argument("--verifier", help="model folder, embedded name (tiny-code) or hub id (with --config: the "
+                                      "config's verifier, which this overrides)")
     p.add_argument("--source", required=True, help="a data source (see data.sources): stdlib, FILE, hf:NAME")
     p.add_argument("--out", required=True, help="output .jsonl")
     p.add_argument("--format", default="auto", choices=["auto", "text", "sharegpt", "openai"])
@@ -246,21 +252,47 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="vllm backend: the context vLLM reserves KV cache for (default: the model's)")
     p.add_argument("--strict", action="store_true", help="malformed source rows are errors")
+    p.add_argument("--capture", metavar="DIR", default=None,
+                   help="vllm backend: also capture the hidden states of the training rows built from --out into a "
+                        "feature cache in DIR, in the same engine (needs --config)")
+    p.add_argument("--config", default=None,
+                   help="with --capture: the training run's YAML (its data.source must be --out, its verifier_dtype "
+                        "--dtype), followed by the trainer's --key=value overrides")
+    p.add_argument("--capture-dtype", choices=sorted(FEATURE_DTYPES), default=None,
+                   help="with --capture: the feature dtype on disk (default bfloat16)")
+    p.add_argument("--rows-per-shard", type=int, default=None,
+                   help="with --capture: rows per safetensors shard (default 256)")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser()
-    args = p.parse_args(argv)
+    args, rest = p.parse_known_args(argv)
+    if rest and args.config is None:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.capture is None and (args.config, args.capture_dtype, args.rows_per_shard) != (None, None, None):
+        p.error("--config, --capture-dtype and --rows-per-shard go with --capture DIR")
+    if args.capture is not None:
+        if args.backend != "vllm":
+            p.error("--capture needs --backend vllm (one vLLM engine answers and captures)")
+        if args.config is None:
+            p.error("--capture needs --config TRAIN.yaml: the training run the cache is for")
+        args.capture_dtype = args.capture_dtype or "bfloat16"
+        args.rows_per_shard = 256 if args.rows_per_shard is None else args.rows_per_shard
+    elif args.verifier is None:
+        p.error("the following arguments are required: --verifier")
     if args.batch_size is None:
         args.batch_size = 256 if args.backend == "vllm" else 8
     if args.backend == "vllm" and args.device is not None:
         p.error("--device is the hf backend's; vLLM places the verifier itself (--tensor-parallel-size)")
     if args.backend == "hf" and (args.tensor_parallel_size != 1 or args.max_model_len is not None):
         p.error("--tensor-parallel-size and --max-model-len are the vllm backend's (--backend vllm)")
-    for key in ("max_new_tokens", "batch_size", "prefix_tokens", "tensor_parallel_size", "max_model_len"):
+    for key in ("max_new_tokens", "batch_size", "prefix_tokens", "tensor_parallel_size", "max_model_len",
+                "rows_per_shard"):
         if getattr(args, key) is not None and getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be positive")
+    if args.capture is not None:
+        return _capture(args, rest)
     folder = Path(args.verifier).expanduser()
     if not folder.is_dir():
         # Embedded names (tiny-code, built on first use) and hub ids resolve through the verifier wrapper
@@ -297,6 +329,48 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --out {args.out}: cannot write ({e.strerror or e}{f': {e.filename}' if e.filename else ''})")
     notes = "; ".join(f"{n} {what}" for what, n in stats.items())
     print(f"wrote {written} rows to {args.out}" + (f" ({notes})" if notes else ""))
+
+
+def _capture(args, rest: list[str]) -> None:
+    """`--capture DIR --config TRAIN.yaml`: train/regenerate_capture.py, its errors in one line."""
+    from draftheads.data.hidden_states import CacheError
+    from draftheads.eval.interop.vllm_data import VllmError
+    from draftheads.eval.interop.vllm_peer import VllmUnavailable
+    from draftheads.models.outputs import OutputInTheWay
+    from draftheads.train.cli import user_errors
+    from draftheads.train.config import ConfigError, parse_config
+    from draftheads.train.dump_features import config_class
+    from draftheads.train.regenerate_capture import run
+
+    # --verifier is the trainer's key too: given, it overrides the YAML's, as in `draftheads train`
+    config = ["--config", args.config, *rest, *([f"--verifier={args.verifier}"] if args.verifier else [])]
+    try:
+        cfg = parse_config(config_class(None, config), config, prog="draftheads regenerate --config")
+        folder = check_model_folder(resolve_verifier(cfg.verifier))
+        check_writable(args.out)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tokenizer = load_tokenizer(folder)
+
+        def answer(generator, rows, stats):
+            return regenerate(generator, tokenizer, rows, max_new_tokens=args.max_new_tokens, batch_size=len(rows),
+                              temperature=args.temperature, prefix_tokens=args.prefix_tokens,
+                              chat_template=args.chat_template, seed=args.seed, progress=False, stats=stats)
+
+        result = run(args, cfg, folder, auto_dtype(args.dtype, device), answer)
+    except (DataError, CacheError, ConfigError, OutputInTheWay, VllmError, VllmUnavailable, *user_errors()) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit(f"stopped by SIGINT (Ctrl-C): what was answered and captured is kept in {args.capture}; rerunning "
+                 "the same command continues")
+    except OSError as e:
+        sys.exit(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}; what was answered and captured "
+                 f"is kept in {args.capture}, and rerunning the same command continues")
+    notes = "; ".join(f"{n} {what}" for what, n in result.skipped.items())
+    served = (f"; vLLM's prefix cache served {result.cached_tokens / result.captured_tokens:.0%} of the captured "
+              "tokens" if result.captured_tokens else "")
+    print(f"wrote {result.rows} rows to {args.out}" + (f" ({notes})" if notes else "")
+          + f" and their features to {args.capture} ({len(result.shards_written)} shards captured, "
+          f"{len(result.shards_skipped)} already done{served})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ vLLM answers the ids in ascending layer order whatever order they are asked in (
 sorted and placed back by id. One request is one sequence with positions from 0: a row is split into its documents
 (position_ids restarting at 0, `data.pack`), each document one request, and the states are put back in place, which
 is what the Hugging Face path computes (its attention stays inside each document); a row's right padding is a
-request with the row's last document, as the HF path computes it (positions counting on: `join_padding`).
+request with the row's last document, as the HF path computes it (positions counting on: `join_padding`), or, with
+padding "zeros", left out of the requests and stored as zeros (data/hidden_states.py: no loss reads it).
 """
 
 from __future__ import annotations
@@ -25,17 +26,23 @@ from pathlib import Path
 import torch
 
 from draftheads.data.documents import join_padding, restarts
-from draftheads.data.hidden_states import TOKEN_DTYPES, CacheError
+from draftheads.data.hidden_states import PADDINGS, TOKEN_DTYPES, CacheError
 
 
-def documents(position_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[tuple[int, int]]]:
+def documents(position_ids: torch.Tensor, attention_mask: torch.Tensor, padding: str = "joined"
+              ) -> list[list[tuple[int, int]]]:
     """Per row of (N, T) position_ids, the [start, end) spans vLLM runs as separate requests: the row's documents,
-    its right padding joined to the last one. A span must count 0, 1, 2, ... (a request starts at position 0)."""
+    its right padding joined to the last one (padding "joined") or left out ("zeros"). A span must count 0, 1, 2, ...
+    (a request starts at position 0)."""
+    if padding not in PADDINGS:
+        raise CacheError(f"padding={padding!r}: expected one of {PADDINGS}")
     joined = join_padding(position_ids, attention_mask)
     starts = restarts(joined)
+    real = attention_mask.sum(dim=1).tolist()  # right padding: the real tokens come first
     spans = []
     for r in range(joined.shape[0]):
-        cut = starts[r].nonzero().flatten().tolist() + [joined.shape[1]]
+        end = joined.shape[1] if padding == "joined" else int(real[r])
+        cut = [c for c in starts[r].nonzero().flatten().tolist() if c < end] + [end]
         row = list(zip(cut[:-1], cut[1:]))
         for a, b in row:
             if int(joined[r, a]) != 0:
@@ -48,8 +55,9 @@ def documents(position_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[
 class VllmFeatures:
     """A shard's tensors (as dump_features._run_verifier's) from a running VllmEngine started with `aux_ids`."""
 
-    def __init__(self, engine, verifier, layer_ids: list[int], dtype: torch.dtype):
+    def __init__(self, engine, verifier, layer_ids: list[int], dtype: torch.dtype, padding: str = "joined"):
         self.engine, self.verifier, self.layer_ids, self.dtype = engine, verifier, list(layer_ids), dtype
+        self.padding = padding
         self.aux = aux_ids(layer_ids, verifier.num_layers)
 
     @torch.no_grad()
@@ -59,11 +67,11 @@ class VllmFeatures:
         ids, attn, positions = rows["input_ids"], rows["attention_mask"], rows["position_ids"]
         N, T = ids.shape
         H = self.verifier.hidden_size
-        spans = documents(positions, attn)
+        spans = documents(positions, attn, self.padding)
         requests = [ids[r, a:b].tolist() for r, row in enumerate(spans) for a, b in row]
         files = self.engine.capture(requests)
-        final = torch.empty(N, T, H, dtype=self.dtype)  # (N, T, H)
-        layers = torch.empty(N, len(self.layer_ids), T, H, dtype=self.dtype) if self.layer_ids else None
+        final = torch.zeros(N, T, H, dtype=self.dtype)  # (N, T, H); what no span covers stays 0
+        layers = torch.zeros(N, len(self.layer_ids), T, H, dtype=self.dtype) if self.layer_ids else None
         where = {i: j for j, i in enumerate(self.aux)}  # layer id -> slot in vLLM's (tokens, layers, H)
         norm = self.verifier.norm
         k = 0
