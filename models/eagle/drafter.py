@@ -547,6 +547,10 @@ class Eagle3Drafter(EagleDrafter):
                         hit = (self.to_target_ids(step.top) == target_k[..., None]).any(-1)
                     aligned[:, rows] &= hit
         loss = head.loss()
+        if not any(r is not None and r.numel() for r in read) and torch.is_grad_enabled():
+            # nothing read in the batch (every target a prompt's): a zero that still reaches every parameter, so
+            # that each gets its (zero) gradient, as every process of a data-parallel run expects
+            loss = loss + 0 * (outs[0].sum() + sum(p.sum() for p in head.params))
         return EagleOutput(loss=loss, step_losses=torch.stack(step_losses), counts=step_counts(correct, valid))
 
 

@@ -53,6 +53,9 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
 #: while a chunk runs). 128 MiB: 1,024 positions of a 32k draft vocabulary, 261 of a 128k one; small vocabularies
 #: take every position in one chunk.
 CHUNK_BYTES = 1 << 27
+#: Vocabulary rows of the lm_head gradient added at a time: the product g^T x of a block, (4096, H) in the matmul
+#: dtype, is the only temporary; a whole (Vd, H) one would be 0.25-0.5 GiB at Llama-3's shapes.
+GRAD_BLOCK_ROWS = 4096
 
 
 @dataclass
@@ -103,6 +106,7 @@ class HeadLoss:
         self.inputs, self.input_grads = [], []  # the steps' hidden rows and their gradients
         self.total = None
         self.spent = False
+        self._cast = None  # (dtype, the weight in it): one cast for every step of the batch
 
     def step(self, hidden: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
              target_mass: torch.Tensor | None = None, rows: torch.Tensor | None = None, step_weight: float = 1.0,
@@ -124,7 +128,9 @@ class HeadLoss:
         chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
         mm = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else self.weight.dtype
-        w_mm = self.weight.detach().to(mm)
+        if self._cast is None or self._cast[0] != mm:
+            self._cast = (mm, self.weight.detach().to(mm))
+        w_mm = self._cast[1]
         grad_h = torch.empty_like(hidden, dtype=hidden.dtype) if grads and hidden.requires_grad else None
         loss = hidden.new_zeros((), dtype=torch.float32)
         alpha_sum = None if fused else loss.clone()
@@ -164,8 +170,15 @@ class HeadLoss:
                 continue
             g = g.mul_(step_weight)
             flat_g = g.flatten(0, 1)  # (B*C, Vd)
-            if self.weight.requires_grad:
-                self._add(self.weight, flat_g.T @ normed.detach().to(mm).flatten(0, 1))  # (Vd, H)
+            if self.weight.requires_grad:  # (Vd, H), a block of vocabulary rows at a time into the fp32 sum
+                acc = self._acc(self.weight)
+                x_mm = normed.detach().to(mm).flatten(0, 1)  # (B*C, H)
+                for r in range(0, acc.shape[0], GRAD_BLOCK_ROWS):
+                    block = flat_g[:, r:r + GRAD_BLOCK_ROWS].T  # (rows, B*C)
+                    if mm == acc.dtype:
+                        acc[r:r + GRAD_BLOCK_ROWS].addmm_(block, x_mm)
+                    else:
+                        acc[r:r + GRAD_BLOCK_ROWS] += block @ x_mm
             d_normed = g @ w_mm  # (B, C, H)
             del g, flat_g
             if self.norm is None:
@@ -187,17 +200,22 @@ class HeadLoss:
         self.total = total if self.total is None else self.total + total
         return StepResult(loss, alpha_sum, argmax, top)
 
-    def _add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def _acc(self, param: torch.Tensor) -> torch.Tensor:
+        """The gradient sum of `param`, zeros at first: fp32 (fp64 for an fp64 parameter)."""
         acc = self.grads.get(id(param))
         if acc is None:
-            self.grads[id(param)] = grad.float() if grad.dtype != torch.float32 else grad.clone()
-        else:
-            acc += grad
+            acc = self.grads[id(param)] = torch.zeros_like(param, dtype=torch.promote_types(param.dtype,
+                                                                                              torch.float32))
+        return acc
+
+    def _add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self._acc(param).add_(grad)
 
     def loss(self) -> torch.Tensor:
         """() sum_k w_k * loss_k over the steps run, differentiable (once) w.r.t. each step's hidden rows and the
         head's trained weights."""
         total = self.total if self.total is not None else self.weight.new_zeros((), dtype=torch.float32)
+        self._cast = None
         if not (self.inputs or self.grads):
             return total
         return _HeadGradients.apply(self, total, *self.inputs, *self.params)
