@@ -148,7 +148,9 @@ class HeadLoss:
             with torch.enable_grad() if grads else torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(
                     _as_is, _as_is):
                 h = hidden[:, a:b].detach().requires_grad_(grads and hidden.requires_grad)
-                normed = self.norm(h) if self.norm is not None else h  # (B, C, H)
+                # the norm's own forward, not the module call: global module hooks (FlopCounterMode's tracker) would
+                # hang backward hooks on this chunk's leaf, which the local autograd.grad below cannot run
+                normed = self.norm.forward(h) if self.norm is not None else h  # (B, C, H)
                 with torch.no_grad():
                     logits = F.linear(normed.detach().to(mm), w_mm)  # (B, C, Vd), as autocast's linear
                 lg = logits.requires_grad_(grads)
