@@ -498,7 +498,7 @@ class Eagle3Drafter(EagleDrafter):
                 target_logp = None  # only p is read from here on
         # the norm, lm_head and loss over the positions read, in chunks, the head's backward in the forward
         head = HeadLoss(None if self.cfg.norm_output else self.norm, self.lm_head.weight, self.cfg.loss,
-                        self.cfg.lk_eta)
+                        self.cfg.lk_eta, logits_of=self.logits)
         reach = self.cfg.step_weights == "reach"
         fixed = None if reach else step_weights(self.cfg.step_weights, K, self.cfg.decay).tolist()
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t

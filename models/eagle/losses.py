@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, token_loss
 
@@ -97,9 +100,17 @@ class HeadLoss:
     """
 
     def __init__(self, norm: nn.Module | None, weight: torch.Tensor, kind: str = "forward_kl", lk_eta: float = 3.0,
-                 chunk_rows: int | None = None):
+                 chunk_rows: int | None = None, logits_of: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.norm, self.weight, self.kind, self.lk_eta = norm, weight, kind, lk_eta
         self.chunk_rows = chunk_rows
+        # a weight DeepSpeed ZeRO-3 partitioned (`ds_id`) is whole only inside its module's forward, and its gradient
+        # must come through that module: there the head runs as modules (`logits_of`, the norm and lm_head), each
+        # chunk recomputed in backward (activation checkpointing), not with its backward in the forward
+        self.partitioned = hasattr(weight, "ds_id")
+        if self.partitioned and logits_of is None:
+            raise ValueError("HeadLoss: a ZeRO-3 partitioned lm_head needs logits_of, the head as modules")
+        self.logits_of = logits_of
+        self.plain = None  # the partitioned path's sum_k w_k loss_k, differentiable
         self.params = [p for p in ([weight] + (list(norm.parameters()) if norm is not None else []))
                        if p.requires_grad]
         self.grads = {}  # id(param) -> fp32 gradient of sum_k w_k loss_k, accumulated
@@ -124,6 +135,8 @@ class HeadLoss:
         if self.spent:
             raise RuntimeError("HeadLoss.step after backward: build a new HeadLoss for a new batch")
         fused = target_mass is not None
+        if self.partitioned:
+            return self._module_step(hidden, target, token_weight, target_mass, rows, step_weight, topk)
         grads = torch.is_grad_enabled() and (hidden.requires_grad or bool(self.params))
         chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
         mm = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
@@ -202,6 +215,38 @@ class HeadLoss:
         self.total = total if self.total is None else self.total + total
         return StepResult(loss, alpha_sum, argmax, top)
 
+    def _module_step(self, hidden, target, token_weight, target_mass, rows, step_weight, topk) -> StepResult:
+        """`step` through the head's modules, for parameters only their module call makes whole (ZeRO-3)."""
+        B, R = hidden.shape[:2]
+        chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
+        fused = target_mass is not None
+
+        def piece(h, tgt, mass, w):
+            logits = self.logits_of(h)  # (B, C, Vd)
+            if fused:
+                per_position, alpha = soft_cross_entropy(logits, tgt, mass), None
+            else:
+                per_position, alpha = token_loss(self.kind, logits, tgt, self.lk_eta)
+            with torch.no_grad():
+                argmax = logits.max(-1).indices
+                top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk > 1 else None
+            return (w * per_position).sum(), None if alpha is None else (w * alpha).sum(), argmax, top
+
+        keep = torch.is_grad_enabled() and hidden.requires_grad
+        parts = []
+        for a in range(0, R, chunk):
+            pick = slice(a, min(a + chunk, R)) if rows is None else rows[a:a + chunk]
+            args = (hidden[:, a:a + chunk], target[:, pick], target_mass[:, pick] if fused else None,
+                    token_weight[:, a:a + chunk].float())
+            parts.append(checkpoint(piece, *args, use_reentrant=False) if keep else piece(*args))
+        loss = sum(p[0] for p in parts)
+        alpha = None if fused else sum(p[1] for p in parts)
+        argmax = torch.cat([p[2] for p in parts], 1)
+        top = torch.cat([p[3] for p in parts], 1) if topk > 1 else None
+        self.plain = loss * step_weight if self.plain is None else self.plain + loss * step_weight
+        self.total = self.plain.detach()
+        return StepResult(loss.detach(), alpha, argmax, top)
+
     def _acc(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient sum of `param`, zeros at first: fp32 (fp64 for an fp64 parameter)."""
         acc = self.grads.get(id(param))
@@ -216,6 +261,8 @@ class HeadLoss:
     def loss(self) -> torch.Tensor:
         """() sum_k w_k * loss_k over the steps run, differentiable (once) w.r.t. each step's hidden rows and the
         head's trained weights."""
+        if self.plain is not None:
+            return self.plain
         total = self.total if self.total is not None else self.weight.new_zeros((), dtype=torch.float32)
         self._cast = None
         if not (self.inputs or self.grads):
