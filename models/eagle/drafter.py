@@ -498,7 +498,7 @@ class Eagle3Drafter(EagleDrafter):
                 target_logp = None  # only p is read from here on
         # the norm, lm_head and loss over the positions read, in chunks, the head's backward in the forward
         head = HeadLoss(None if self.cfg.norm_output else self.norm, self.lm_head.weight, self.cfg.loss,
-                        self.cfg.lk_eta)
+                        self.cfg.lk_eta, logits_of=self.logits)
         reach = self.cfg.step_weights == "reach"
         fixed = None if reach else step_weights(self.cfg.step_weights, K, self.cfg.decay).tolist()
         correct = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)  # aligned on stream position t
@@ -547,6 +547,10 @@ class Eagle3Drafter(EagleDrafter):
                         hit = (self.to_target_ids(step.top) == target_k[..., None]).any(-1)
                     aligned[:, rows] &= hit
         loss = head.loss()
+        if not any(r is not None and r.numel() for r in read) and torch.is_grad_enabled():
+            # nothing read in the batch (every target a prompt's): a zero that still reaches every parameter, so
+            # that each gets its (zero) gradient, as every process of a data-parallel run expects
+            loss = loss + 0 * (outs[0].sum() + sum(p.sum() for p in head.params))
         return EagleOutput(loss=loss, step_losses=torch.stack(step_losses), counts=step_counts(correct, valid))
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, token_loss
 
@@ -53,6 +56,9 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
 #: while a chunk runs). 128 MiB: 1,024 positions of a 32k draft vocabulary, 261 of a 128k one; small vocabularies
 #: take every position in one chunk.
 CHUNK_BYTES = 1 << 27
+#: Vocabulary rows of the lm_head gradient added at a time: the product g^T x of a block, (4096, H) in the matmul
+#: dtype, is the only temporary; a whole (Vd, H) one would be 0.25-0.5 GiB at Llama-3's shapes.
+GRAD_BLOCK_ROWS = 4096
 
 
 @dataclass
@@ -94,15 +100,24 @@ class HeadLoss:
     """
 
     def __init__(self, norm: nn.Module | None, weight: torch.Tensor, kind: str = "forward_kl", lk_eta: float = 3.0,
-                 chunk_rows: int | None = None):
+                 chunk_rows: int | None = None, logits_of: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.norm, self.weight, self.kind, self.lk_eta = norm, weight, kind, lk_eta
         self.chunk_rows = chunk_rows
+        # a weight DeepSpeed ZeRO-3 partitioned (`ds_id`) is whole only inside its module's forward, and its gradient
+        # must come through that module: there the head runs as modules (`logits_of`, the norm and lm_head), each
+        # chunk recomputed in backward (activation checkpointing), not with its backward in the forward
+        self.partitioned = hasattr(weight, "ds_id")
+        if self.partitioned and logits_of is None:
+            raise ValueError("HeadLoss: a ZeRO-3 partitioned lm_head needs logits_of, the head as modules")
+        self.logits_of = logits_of
+        self.plain = None  # the partitioned path's sum_k w_k loss_k, differentiable
         self.params = [p for p in ([weight] + (list(norm.parameters()) if norm is not None else []))
                        if p.requires_grad]
         self.grads = {}  # id(param) -> fp32 gradient of sum_k w_k loss_k, accumulated
         self.inputs, self.input_grads = [], []  # the steps' hidden rows and their gradients
         self.total = None
         self.spent = False
+        self._cast = None  # (dtype, the weight in it): one cast for every step of the batch
 
     def step(self, hidden: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
              target_mass: torch.Tensor | None = None, rows: torch.Tensor | None = None, step_weight: float = 1.0,
@@ -120,11 +135,15 @@ class HeadLoss:
         if self.spent:
             raise RuntimeError("HeadLoss.step after backward: build a new HeadLoss for a new batch")
         fused = target_mass is not None
+        if self.partitioned:
+            return self._module_step(hidden, target, token_weight, target_mass, rows, step_weight, topk)
         grads = torch.is_grad_enabled() and (hidden.requires_grad or bool(self.params))
         chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
         mm = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else self.weight.dtype
-        w_mm = self.weight.detach().to(mm)
+        if self._cast is None or self._cast[0] != mm:
+            self._cast = (mm, self.weight.detach().to(mm))
+        w_mm = self._cast[1]
         grad_h = torch.empty_like(hidden, dtype=hidden.dtype) if grads and hidden.requires_grad else None
         loss = hidden.new_zeros((), dtype=torch.float32)
         alpha_sum = None if fused else loss.clone()
@@ -142,7 +161,9 @@ class HeadLoss:
             with torch.enable_grad() if grads else torch.no_grad(), torch.autograd.graph.saved_tensors_hooks(
                     _as_is, _as_is):
                 h = hidden[:, a:b].detach().requires_grad_(grads and hidden.requires_grad)
-                normed = self.norm(h) if self.norm is not None else h  # (B, C, H)
+                # the norm's own forward, not the module call: global module hooks (FlopCounterMode's tracker) would
+                # hang backward hooks on this chunk's leaf, which the local autograd.grad below cannot run
+                normed = self.norm.forward(h) if self.norm is not None else h  # (B, C, H)
                 with torch.no_grad():
                     logits = F.linear(normed.detach().to(mm), w_mm)  # (B, C, Vd), as autocast's linear
                 lg = logits.requires_grad_(grads)
@@ -164,8 +185,15 @@ class HeadLoss:
                 continue
             g = g.mul_(step_weight)
             flat_g = g.flatten(0, 1)  # (B*C, Vd)
-            if self.weight.requires_grad:
-                self._add(self.weight, flat_g.T @ normed.detach().to(mm).flatten(0, 1))  # (Vd, H)
+            if self.weight.requires_grad:  # (Vd, H), a block of vocabulary rows at a time into the fp32 sum
+                acc = self._acc(self.weight)
+                x_mm = normed.detach().to(mm).flatten(0, 1)  # (B*C, H)
+                for r in range(0, acc.shape[0], GRAD_BLOCK_ROWS):
+                    block = flat_g[:, r:r + GRAD_BLOCK_ROWS].T  # (rows, B*C)
+                    if mm == acc.dtype:
+                        acc[r:r + GRAD_BLOCK_ROWS].addmm_(block, x_mm)
+                    else:
+                        acc[r:r + GRAD_BLOCK_ROWS] += block @ x_mm
             d_normed = g @ w_mm  # (B, C, H)
             del g, flat_g
             if self.norm is None:
@@ -187,17 +215,56 @@ class HeadLoss:
         self.total = total if self.total is None else self.total + total
         return StepResult(loss, alpha_sum, argmax, top)
 
-    def _add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def _module_step(self, hidden, target, token_weight, target_mass, rows, step_weight, topk) -> StepResult:
+        """`step` through the head's modules, for parameters only their module call makes whole (ZeRO-3)."""
+        B, R = hidden.shape[:2]
+        chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
+        fused = target_mass is not None
+
+        def piece(h, tgt, mass, w):
+            logits = self.logits_of(h)  # (B, C, Vd)
+            if fused:
+                per_position, alpha = soft_cross_entropy(logits, tgt, mass), None
+            else:
+                per_position, alpha = token_loss(self.kind, logits, tgt, self.lk_eta)
+            with torch.no_grad():
+                argmax = logits.max(-1).indices
+                top = logits.topk(min(topk, logits.shape[-1]), dim=-1).indices if topk > 1 else None
+            return (w * per_position).sum(), None if alpha is None else (w * alpha).sum(), argmax, top
+
+        keep = torch.is_grad_enabled() and hidden.requires_grad
+        parts = []
+        for a in range(0, R, chunk):
+            pick = slice(a, min(a + chunk, R)) if rows is None else rows[a:a + chunk]
+            args = (hidden[:, a:a + chunk], target[:, pick], target_mass[:, pick] if fused else None,
+                    token_weight[:, a:a + chunk].float())
+            parts.append(checkpoint(piece, *args, use_reentrant=False) if keep else piece(*args))
+        loss = sum(p[0] for p in parts)
+        alpha = None if fused else sum(p[1] for p in parts)
+        argmax = torch.cat([p[2] for p in parts], 1)
+        top = torch.cat([p[3] for p in parts], 1) if topk > 1 else None
+        self.plain = loss * step_weight if self.plain is None else self.plain + loss * step_weight
+        self.total = self.plain.detach()
+        return StepResult(loss.detach(), alpha, argmax, top)
+
+    def _acc(self, param: torch.Tensor) -> torch.Tensor:
+        """The gradient sum of `param`, zeros at first: fp32 (fp64 for an fp64 parameter)."""
         acc = self.grads.get(id(param))
         if acc is None:
-            self.grads[id(param)] = grad.float() if grad.dtype != torch.float32 else grad.clone()
-        else:
-            acc += grad
+            acc = self.grads[id(param)] = torch.zeros_like(param, dtype=torch.promote_types(param.dtype,
+                                                                                              torch.float32))
+        return acc
+
+    def _add(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        self._acc(param).add_(grad)
 
     def loss(self) -> torch.Tensor:
         """() sum_k w_k * loss_k over the steps run, differentiable (once) w.r.t. each step's hidden rows and the
         head's trained weights."""
+        if self.plain is not None:
+            return self.plain
         total = self.total if self.total is not None else self.weight.new_zeros((), dtype=torch.float32)
+        self._cast = None
         if not (self.inputs or self.grads):
             return total
         return _HeadGradients.apply(self, total, *self.inputs, *self.params)
