@@ -147,6 +147,8 @@ TRAINERS = {
                       EAGLE_LAYERS + ("--eagle.parallel=true", "--eagle.parallel_keep=[0.7,0.2]")),
     "eagle3-frozen": Trainer("EAGLE-3, speculators' settings (lm_head frozen)", "eagle", "configs/{model}-eagle3.yaml",
                              3, EAGLE_LAYERS + SPECULATORS_SETTINGS),
+    "eagle3-ckpt": Trainer("EAGLE-3, checkpointed layers", "eagle", "configs/{model}-eagle3.yaml", 3,
+                           EAGLE_LAYERS + ("--eagle.checkpoint_layers=true",)),
     "eagle3-window": Trainer(f"EAGLE-3, window {SWA_WINDOW}", "eagle", "configs/{model}-eagle3.yaml", 3,
                              EAGLE_LAYERS + (f"--eagle.sliding_window={SWA_WINDOW}",)),
     "dflash": Trainer("DFlash", "dflash", "configs/qwen3-8b-dflash.yaml", 6, DFLASH_LAYERS),
@@ -898,7 +900,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainers", nargs="+", default=list(OURS + PEERS), choices=list(TRAINERS),
                    help="ours (eagle3 peagle dflash medusa; on request eagle3-frozen: EAGLE-3 with speculators' "
-                        "settings, eagle3-window, and dflash-ckpt: DFlash with dflash.checkpoint_layers) and the peers "
+                        "settings, eagle3-window, eagle3-ckpt and dflash-ckpt: with checkpoint_layers) and the peers "
                         "(offline only)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seqs", nargs="+", type=int, help="these seq lengths only (default: the ladder 1024, 2048, ... "
