@@ -58,17 +58,10 @@ def real_diff(a: Path, b: Path) -> float:
     return worst
 
 
-def reset_accelerate() -> None:
-    """Forget Accelerate's process-wide state, so the next stage in this process starts fresh."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
 def train_tau(cfg_args: list[str], cache: Path) -> float:
     from draftheads.train.config import parse_config
     from draftheads.train.eagle import EagleRunConfig, main
+    from draftheads.train.tracking import reset_accelerate
 
     reset_accelerate()
     main(parse_config(EagleRunConfig, [*cfg_args, "--features=offline", f"--feature_cache={cache}"]))
@@ -100,6 +93,7 @@ def main(argv=None) -> int:
     from draftheads.train.dump_features import dump
     from draftheads.train.eagle import EagleRunConfig
     from draftheads.train.regenerate import main as regenerate
+    from draftheads.train.tracking import reset_accelerate
 
     work = args.work or Path(tempfile.mkdtemp(prefix="capture-backend-tau-"))
     started = time.perf_counter()

@@ -254,11 +254,10 @@ def free_port() -> int:
 
 
 def reset_accelerate() -> None:
-    """Forget Accelerate's process-wide singletons, so the next Accelerator a test builds starts fresh."""
-    from accelerate.state import AcceleratorState, GradientState
+    """draftheads.train.tracking.reset_accelerate, imported when first called (it pulls in the trainer's modules)."""
+    from draftheads.train.tracking import reset_accelerate as reset
 
-    AcceleratorState._reset_state(True)  # True: the PartialState too
-    GradientState._reset_state()
+    reset()
 
 
 def crash_after_step(monkeypatch, step: int, run) -> None:

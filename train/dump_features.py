@@ -223,10 +223,7 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
                 say(f"[dump] {name}: {hi - lo} rows ({time.perf_counter() - started:.0f} s)")
     finally:
         if engine is not None and own_engine:
-            engine.close()
-            shutil.rmtree(engine.storage, ignore_errors=True)
-            with contextlib.suppress(OSError):  # the last process out removes the folder
-                engine.storage.parent.rmdir()
+            close_engine(engine)
     state.wait_for_everyone()
     actual = None
     if main:
@@ -284,6 +281,14 @@ def _write_shard(folder: Path, name: str, tensors: dict, rows: int, plan: dict) 
         save_file(tensors, str(tmp), metadata={FORMAT: meta})
         meta = {"file": name, "rows": rows, "bytes": tmp.stat().st_size, "sha256": sha256_file(tmp)}
     write_json(folder / sidecar_name(name), meta)  # after the rename: the shard counts as done from here on
+
+
+def close_engine(engine) -> None:
+    """Stop a vLLM capture engine and remove its hidden-state files; the last process out removes their folder."""
+    engine.close()
+    shutil.rmtree(engine.storage, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        engine.storage.parent.rmdir()
 
 
 def write_index(folder: Path, plan: dict) -> dict:

@@ -327,8 +327,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: {e}")
     except OSError as e:  # a full disk, a folder that cannot be written
         sys.exit(f"error: --out {args.out}: cannot write ({e.strerror or e}{f': {e.filename}' if e.filename else ''})")
-    notes = "; ".join(f"{n} {what}" for what, n in stats.items())
+    notes = skip_notes(stats)
     print(f"wrote {written} rows to {args.out}" + (f" ({notes})" if notes else ""))
+
+
+def skip_notes(stats: dict) -> str:
+    """The skipped source rows counted by kind, as the closing line says them ('' when none were)."""
+    return "; ".join(f"{n} {what}" for what, n in stats.items())
 
 
 def _capture(args, rest: list[str]) -> None:
@@ -365,7 +370,7 @@ def _capture(args, rest: list[str]) -> None:
     except OSError as e:
         sys.exit(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}; what was answered and captured "
                  f"is kept in {args.capture}, and rerunning the same command continues")
-    notes = "; ".join(f"{n} {what}" for what, n in result.skipped.items())
+    notes = skip_notes(result.skipped)
     served = (f"; vLLM's prefix cache served {result.cached_tokens / result.captured_tokens:.0%} of the captured "
               "tokens" if result.captured_tokens else "")
     print(f"wrote {result.rows} rows to {args.out}" + (f" ({notes})" if notes else "")

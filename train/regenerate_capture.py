@@ -25,7 +25,6 @@ inputs is refused, naming what differs.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -162,7 +161,7 @@ def run(args, cfg, verifier_folder: Path, dtype: str, answer, say=print) -> Capt
     from draftheads.eval.interop.vllm_data import VllmEngine
     from draftheads.eval.interop.vllm_peer import vllm_python
     from draftheads.models.outputs import claim_output
-    from draftheads.train.dump_features import dump, layers_for, method_of
+    from draftheads.train.dump_features import close_engine, dump, layers_for, method_of
     from draftheads.train.placement import load_verifier
     from draftheads.train.vllm_backend import VllmGenerator, aux_ids
 
@@ -202,17 +201,15 @@ def run(args, cfg, verifier_folder: Path, dtype: str, answer, say=print) -> Capt
             answered_here = _answer(args, record, folder, out, generator, answer)
         (folder / PARTIAL).unlink(missing_ok=True)
         if not record["out"]["rows"]:
-            raise CacheError(f"--out {out}: no rows were answered ({_notes(record['answered']['skipped'])}); "
-                             "nothing to capture")
+            skipped = record["answered"]["skipped"]
+            why = "; ".join(f"{n} {what}" for what, n in skipped.items()) or "the source has no rows"
+            raise CacheError(f"--out {out}: no rows were answered ({why}); nothing to capture")
         result = dump(cfg, folder, dtype=args.capture_dtype, rows_per_shard=args.rows_per_shard, say=say,
                       backend="vllm", tensor_parallel_size=args.tensor_parallel_size, padding="zeros",
                       engine=engine, loaded=(verifier, tokenizer))
     finally:
         if engine is not None:
-            engine.close()
-            shutil.rmtree(storage, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                storage.parent.rmdir()
+            close_engine(engine)
     used = engine or SimpleNamespace(captured_tokens=0, cached_tokens=0)
     return CaptureResult(record["out"]["rows"], answered_here, result.written, result.skipped,
                          used.captured_tokens, used.cached_tokens, record["answered"]["skipped"])
@@ -258,7 +255,5 @@ def _recorded_inputs(folder: Path) -> dict | None:
         return None
 
 
-def _notes(stats: dict) -> str:
-    return "; ".join(f"{n} {what}" for what, n in stats.items()) or "the source has no rows"
 
 

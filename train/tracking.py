@@ -58,6 +58,15 @@ def build_accelerator(cfg: RunConfig):
     return accelerator
 
 
+def reset_accelerate() -> None:
+    """Forget Accelerate's process-wide singletons, so the next Accelerator built in this process starts fresh (one
+    process that trains several runs one after another: tests, benchmark scripts)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # True: the PartialState too
+    GradientState._reset_state()
+
+
 def _settle_wandb(accelerator, cfg: RunConfig) -> str:
     """The wandb mode this run logs in (main process), after `prepare_wandb`'s checks; its notes printed."""
     try:

@@ -465,11 +465,12 @@ class Eagle3Drafter(EagleDrafter):
         return draft_to_target(draft_ids, self.d2t)
 
     def loss_positions(self, loss_mask: torch.Tensor, position_ids: torch.Tensor | None, in_draft: torch.Tensor,
-                       k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scored, trained), each (B, T-2-k) bool, at TTT step k: the positions `trained_mask` scores, and those of
-        them the loss trains (with eagle.skip_out_of_draft, not where the verifier's argmax, `in_draft` (B, T) from
-        `draft_targets`, is outside the draft vocabulary)."""
-        scored = self.trained_mask(loss_mask, position_ids, k)
+                       k: int, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scored, trained), each (B, T-2-k) bool, at TTT step k: the positions `trained_mask` scores (`scored`,
+        when the caller has them already), and those of them the loss trains (with eagle.skip_out_of_draft, not where
+        the verifier's argmax, `in_draft` (B, T) from `draft_targets`, is outside the draft vocabulary)."""
+        if scored is None:
+            scored = self.trained_mask(loss_mask, position_ids, k)
         if not self.cfg.skip_out_of_draft:
             return scored, scored
         return scored, scored & in_draft[:, 1 + k:loss_mask.shape[1] - 1]
@@ -515,7 +516,7 @@ class Eagle3Drafter(EagleDrafter):
                 step_alpha.append(zero)
                 reached = reached * 0
                 continue
-            scored, trained = self.loss_positions(loss_mask, position_ids, in_draft, k)  # (B, n)
+            scored, trained = self.loss_positions(loss_mask, position_ids, in_draft, k, scored_at[k])  # (B, n)
             if self.parallel and k > 0 and self.training:  # P-EAGLE: chains kept with chance f_k / f_{k-1}
                 ratio = self.keep_fraction(k) / self.keep_fraction(k - 1)
                 kept = kept & (torch.rand(kept.shape, device=kept.device) < ratio)

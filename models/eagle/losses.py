@@ -113,6 +113,7 @@ class HeadLoss:
         self.plain = None  # the partitioned path's sum_k w_k loss_k, differentiable
         self.params = [p for p in ([weight] + (list(norm.parameters()) if norm is not None else []))
                        if p.requires_grad]
+        self.norm_params = [p for p in self.params if p is not weight]  # the final norm's trained weight
         self.grads = {}  # id(param) -> fp32 gradient of sum_k w_k loss_k, accumulated
         self.inputs, self.input_grads = [], []  # the steps' hidden rows and their gradients
         self.total = None
@@ -138,7 +139,7 @@ class HeadLoss:
         if self.partitioned:
             return self._module_step(hidden, target, token_weight, target_mass, rows, step_weight, topk)
         grads = torch.is_grad_enabled() and (hidden.requires_grad or bool(self.params))
-        chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
+        chunk = self._chunk(target, B)
         mm = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
             else self.weight.dtype
         if self._cast is None or self._cast[0] != mm:
@@ -200,13 +201,12 @@ class HeadLoss:
                 if h.requires_grad:
                     grad_h[:, a:b] = d_normed
                 continue
-            others = [p for p in self.params if p is not self.weight]  # the final norm's weight
-            wanted = ([h] if h.requires_grad else []) + others
+            wanted = ([h] if h.requires_grad else []) + self.norm_params
             if wanted:
                 got = list(torch.autograd.grad(normed, wanted, d_normed.to(normed.dtype)))
                 if h.requires_grad:
                     grad_h[:, a:b] = got.pop(0)
-                for p, d in zip(others, got):
+                for p, d in zip(self.norm_params, got):
                     self._add(p, d)
         if grad_h is not None:
             self.inputs.append(hidden)
@@ -218,7 +218,7 @@ class HeadLoss:
     def _module_step(self, hidden, target, token_weight, target_mass, rows, step_weight, topk) -> StepResult:
         """`step` through the head's modules, for parameters only their module call makes whole (ZeRO-3)."""
         B, R = hidden.shape[:2]
-        chunk = self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
+        chunk = self._chunk(target, B)
         fused = target_mass is not None
 
         def piece(h, tgt, mass, w):
@@ -246,6 +246,10 @@ class HeadLoss:
         self.plain = loss * step_weight if self.plain is None else self.plain + loss * step_weight
         self.total = self.plain.detach()
         return StepResult(loss.detach(), alpha, argmax, top)
+
+    def _chunk(self, target: torch.Tensor, B: int) -> int:
+        """Positions a chunk: `chunk_rows`, else as many as keep one (B, C, Vd) fp32 buffer to CHUNK_BYTES."""
+        return self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
 
     def _acc(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient sum of `param`, zeros at first: fp32 (fp64 for an fp64 parameter)."""
