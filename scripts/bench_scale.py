@@ -131,6 +131,8 @@ class Trainer:
     peer: str | None = None
     """The peer's environment (.venv-<peer>), or None for ours."""
     features: tuple[str, ...] = ("online", "offline")
+    draft_layers: int | None = None
+    """DFlash: the drafter's layers when not the config's 5 (ours: dflash.num_hidden_layers; speculators: --num-layers)."""
 
 
 EAGLE_LAYERS = ("--eagle.layer_ids=[0,1,2]",)
@@ -154,11 +156,15 @@ TRAINERS = {
     "dflash": Trainer("DFlash", "dflash", "configs/qwen3-8b-dflash.yaml", 6, DFLASH_LAYERS),
     "dflash-ckpt": Trainer("DFlash, checkpointed layers", "dflash", "configs/qwen3-8b-dflash.yaml", 6,
                            DFLASH_LAYERS + ("--dflash.checkpoint_layers=true",)),
+    "dflash-1layer": Trainer("DFlash, 1 layer", "dflash", "configs/qwen3-8b-dflash.yaml", 6,
+                             DFLASH_LAYERS + ("--dflash.num_hidden_layers=1",), draft_layers=1),
     "medusa": Trainer("Medusa", "medusa", "configs/llama3-8b-medusa.yaml", 1),
     "speculators-eagle3": Trainer("speculators 0.9 EAGLE-3", "speculators-eagle3", "", 3, peer="speculators",
                                   features=("offline",)),
     "speculators-dflash": Trainer("speculators 0.9 DFlash", "speculators-dflash", "", 6, peer="speculators",
                                   features=("offline",)),
+    "speculators-dflash-1layer": Trainer("speculators 0.9 DFlash, 1 layer", "speculators-dflash", "", 6,
+                                         peer="speculators", features=("offline",), draft_layers=1),
     "specforge-eagle3": Trainer("SpecForge 0.2 EAGLE-3", "specforge-eagle3", "", 3, peer="specforge",
                                 features=("offline",)),
 }
@@ -379,7 +385,7 @@ def specforge_data(config: dict, seq: int, rows: int, folder: Path, draft: int) 
 
 
 def peer_spec(kind: str, model: str, seq: int, rows: int, standin: Path, tiny: bool, work: Path, device: str,
-              run: Path) -> dict:
+              run: Path, draft_layers: int | None = None) -> dict:
     """What scripts/bench_scale_peer.py runs: the peer's own training command at the bench's settings (batch 1,
     one row of `seq` tokens per step, 7 TTT steps / block 16 and 512 anchors, AdamW, lr of our configs), on
     `rows` rows of random features written in its format."""
@@ -402,7 +408,7 @@ def peer_spec(kind: str, model: str, seq: int, rows: int, standin: Path, tiny: b
                       "--sliding-window", str(seq * 4), "--ttt-steps", str(TTT_STEPS), "--ttt-step-loss-decay", "0.8",
                       "--lr", "1e-4"]
         else:  # the verifier's vocabulary (no draft vocabulary), as configs/qwen3-8b-dflash.yaml
-            flags += ["--speculator-type", "dflash", "--num-layers", str(DFLASH_LAYERS_N),
+            flags += ["--speculator-type", "dflash", "--num-layers", str(draft_layers or DFLASH_LAYERS_N),
                       "--target-layer-ids", *map(str, range(DFLASH_LAYERS_N)), "--block-size", str(DFLASH_BLOCK),
                       "--max-anchors", str(TINY_ANCHORS if tiny else DFLASH_ANCHORS), "--lr", "6e-4"]
         return {"peer": "speculators", "flags": flags}
@@ -754,7 +760,7 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
             return {"status": "error", "error": f"not run: {python.parent.parent.name} is missing "
                                                 "(bash scripts/setup_peers.sh)"}
         spec.update(peer_spec(trainer.kind, model, seq, rows, standin, args.tiny, work, args.device,
-                              work / f"{tag}.run"))
+                              work / f"{tag}.run", trainer.draft_layers))
         cmd = [str(python), str(ROOT / "scripts" / "bench_scale_peer.py"), str(spec_path)]
         env.update(spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -900,8 +906,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trainers", nargs="+", default=list(OURS + PEERS), choices=list(TRAINERS),
                    help="ours (eagle3 peagle dflash medusa; on request eagle3-frozen: EAGLE-3 with speculators' "
-                        "settings, eagle3-window, eagle3-ckpt and dflash-ckpt: with checkpoint_layers) and the peers "
-                        "(offline only)")
+                        "settings, eagle3-window, eagle3-ckpt and dflash-ckpt: with checkpoint_layers, "
+                        "dflash-1layer: one drafter layer) and the peers (offline only; on request "
+                        "speculators-dflash-1layer, the pair of dflash-1layer)")
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--seqs", nargs="+", type=int, help="these seq lengths only (default: the ladder 1024, 2048, ... "
                                                        "while it fits)")

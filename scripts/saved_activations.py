@@ -4,7 +4,8 @@ call, the (T, T) autograd attention against `ttt_attention`'s kernels.
 
     python scripts/saved_activations.py --hidden 1024 --seq 2048 --ttt 7
 
-Random weights and random verifier features (no verifier forward), batch 1, fp32, on this machine's CPU: a Llama-
+Random weights and random verifier features (no verifier forward), batch 1, fp32 (with `--autocast`: bf16 autocast,
+as the trainers run, each drafter row twice: the plain modules and models/lean_layer.py's), on this CPU: a Llama-
 shaped stand-in of `--hidden` width (hidden/64 heads, a quarter as many kv heads, MLP 2.75x hidden, vocabulary
 `--vocab`, the EAGLE-3 draft vocabulary the whole of it). Kept bytes count each storage once: what
 torch.autograd.graph.saved_tensors_hooks reports, plus the inputs a checkpointed layer holds for its rerun. Seconds
@@ -72,6 +73,24 @@ def mib(n: int) -> str:
     return f"{n / 2**20:,.0f} MiB"
 
 
+def autocast(args):
+    """bf16 autocast with --autocast (the trainers' mixed precision), else nothing."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast)
+
+
+def maybe_plain(lean: bool):
+    """The plain modules (models/lean_layer.py's `plain_modules`) unless `lean`."""
+    from contextlib import nullcontext
+
+    from draftheads.models.lean_layer import plain_modules
+
+    return nullcontext() if lean else plain_modules()
+
+
+def modules(args, lean: bool) -> str:
+    return (", lean layer" if lean else ", plain modules") if args.autocast else ""
+
+
 def eagle_rows(verifier, args):
     from draftheads.models.eagle import EagleConfig, build_drafter
 
@@ -85,10 +104,13 @@ def eagle_rows(verifier, args):
     mask = torch.ones(1, T, dtype=torch.long)
     for checkpointed in (False, True):
         drafter.cfg.checkpoint_layers = checkpointed
-        unroll = saved_bytes(lambda: sum(o.sum() for o in drafter.ttt_unroll(ids, drafter.project_features(
-            feats.layers))))
-        step = saved_bytes(lambda: drafter.training_loss(ids, feats, mask).loss)
-        yield (f"EAGLE-3, TTT {args.ttt}, checkpoint_layers={str(checkpointed).lower()}", unroll, step)
+        for lean in (False, True) if args.autocast else (True,):
+            with maybe_plain(lean), autocast(args):
+                unroll = saved_bytes(lambda: sum(o.float().sum() for o in drafter.ttt_unroll(
+                    ids, drafter.project_features(feats.layers))))
+                step = saved_bytes(lambda: drafter.training_loss(ids, feats, mask).loss)
+            yield (f"EAGLE-3, TTT {args.ttt}, checkpoint_layers={str(checkpointed).lower()}{modules(args, lean)}",
+                   unroll, step)
 
 
 def dflash_rows(verifier, args):
@@ -110,9 +132,11 @@ def dflash_rows(verifier, args):
            saved_bytes(lambda: drafter.anchored_hidden(ids, context, *anchors, attention="dense").sum()), None)
     for checkpointed in (False, True):
         drafter.cfg.checkpoint_layers = checkpointed
-        layers = saved_bytes(lambda: drafter.anchored_hidden(ids, context, *anchors).sum())
-        step = saved_bytes(lambda: drafter.training_loss(ids, feats, mask, anchors=anchors).loss)
-        yield f"{name}, checkpoint_layers={str(checkpointed).lower()}", layers, step
+        for lean in (False, True) if args.autocast else (True,):
+            with maybe_plain(lean), autocast(args):
+                layers = saved_bytes(lambda: drafter.anchored_hidden(ids, context, *anchors).float().sum())
+                step = saved_bytes(lambda: drafter.training_loss(ids, feats, mask, anchors=anchors).loss)
+            yield f"{name}, checkpoint_layers={str(checkpointed).lower()}{modules(args, lean)}", layers, step
 
 
 def attention_rows(args):
@@ -158,6 +182,8 @@ def main() -> None:
     parser.add_argument("--dflash-seq", type=int, default=1024)
     parser.add_argument("--anchors", type=int, default=128)
     parser.add_argument("--only", choices=["attention", "eagle", "dflash"], action="append")
+    parser.add_argument("--autocast", action="store_true",
+                        help="the drafters under bf16 autocast, each row with the plain modules and the lean layer")
     args = parser.parse_args()
     from draftheads.models.dflash import drafter as dflash_drafter
     from draftheads.models.eagle import drafter as eagle_drafter
@@ -171,7 +197,8 @@ def main() -> None:
             print(f"| {name} | {mib(kept)} | {seconds:.2f} |", flush=True)
     verifier = stand_in(args.hidden, args.vocab) if only & {"eagle", "dflash"} else None
     if only & {"eagle", "dflash"}:
-        print(f"\n| hidden {args.hidden}, vocabulary {args.vocab}, batch 1, fp32 | layers: kept | layers: CPU s "
+        precision = "bf16 autocast" if args.autocast else "fp32"
+        print(f"\n| hidden {args.hidden}, vocabulary {args.vocab}, batch 1, {precision} | layers: kept | layers: CPU s "
               f"| whole loss: kept | whole loss: CPU s |")
         print("|---|---|---|---|---|")
     rows = []

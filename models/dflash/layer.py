@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftheads.models.dflash.config import DFlashConfig
+from draftheads.models.lean_layer import cast_once, swiglu_mlp
 from draftheads.models.range_attention import range_attention
 
 
@@ -90,11 +91,14 @@ class Attention(nn.Module):
         B, N, _ = x.shape
         return x.view(B, N, n, self.head_dim)  # (B, N, heads, d)
 
-    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, x_v: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of inputs x (B, N, H) at the positions of cos/sin: (B, nkv, N, d) each, keys normed and
-        rotated. The context (the fused verifier features) and the block both go through this."""
-        k = self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)).transpose(1, 2)
-        v = self._heads(self.v_proj(x), self.num_kv_heads).transpose(1, 2)
+        rotated. The context (the fused verifier features) and the block both go through this. x_v: the values'
+        input when it is another alias of x (`cast_once`)."""
+        x_k, x_v = (x, x_v) if x_v is not None else cast_once(x, 2)
+        k = self.k_norm(self._heads(self.k_proj(x_k), self.num_kv_heads)).transpose(1, 2)
+        v = self._heads(self.v_proj(x_v), self.num_kv_heads).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,8 +166,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         attn = self.self_attn
-        x = self.input_layernorm(hidden)
-        q = attn.queries(x, cos, sin)
-        k, v = attn.kv(x, cos, sin)
+        x_q, x_k, x_v = cast_once(self.input_layernorm(hidden), 3)  # one cast kept under autocast, not three
+        q = attn.queries(x_q, cos, sin)
+        k, v = attn.kv(x_k, cos, sin, x_v)
         h = hidden + attn.o_proj(attend(attn.layer_idx, q, k, v))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + swiglu_mlp(self.mlp, self.post_attention_layernorm(h))  # the MLP keeps gate and up only

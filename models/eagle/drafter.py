@@ -21,11 +21,17 @@ from draftheads.models.eagle.layer import (
     norm_scale,
     normal_init,
 )
-from draftheads.models.eagle.losses import HeadLoss, add_uniform_noise, draft_targets, eagle1_loss
+from draftheads.models.eagle.losses import (
+    HeadLoss,
+    add_uniform_noise,
+    chunked_draft_targets,
+    eagle1_loss,
+)
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
 from draftheads.models.placed import Placed
 from draftheads.models.eagle.ttt import ttt_attention
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
+from draftheads.models.lean_layer import cast_once, swiglu_mlp
 
 
 class EagleDrafter(Placed, nn.Module):
@@ -100,9 +106,10 @@ class EagleDrafter(Placed, nn.Module):
         """q (B, nh, N, d), k and v (B, nkv, N, d); RoPE applied to q and k."""
         attn = self.layer.self_attn
         B, N, _ = x.shape
-        q = attn.q_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, N, -1, self.head_dim).transpose(1, 2)
+        xq, xk, xv = cast_once(x, 3)  # under autocast one cast of x kept for the three backwards, not three
+        q = attn.q_proj(xq).view(B, N, -1, self.head_dim).transpose(1, 2)
+        k = attn.k_proj(xk).view(B, N, -1, self.head_dim).transpose(1, 2)
+        v = attn.v_proj(xv).view(B, N, -1, self.head_dim).transpose(1, 2)
         rope = self._held.rotary_emb
         if rope.inv_freq.device != x.device:
             rope.to(x.device)  # moved, never cast: angles in fp32, cos/sin returned in v's dtype
@@ -127,7 +134,7 @@ class EagleDrafter(Placed, nn.Module):
         """o_proj + residual, then the MLP sub-block: the layer's output (B, N, H)."""
         layer = self.layer
         h = residual + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + swiglu_mlp(layer.mlp, layer.post_attention_layernorm(h))  # the MLP keeps gate and up only
 
     # ---- inference API -------------------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -304,6 +311,19 @@ class EagleDrafter(Placed, nn.Module):
             return features.logits
         with torch.no_grad():
             return self._held.lm_head(features.final)
+
+    @torch.no_grad()
+    def _draft_targets(self, features, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`draft_targets` of the verifier's logits, computed over the row in chunks of positions."""
+        if features.logits is not None:
+            logits = features.logits
+            return chunked_draft_targets(lambda s, e: logits[:, s:e], B, T, logits.shape[-1], self.d2t, self.t2d,
+                                         logits.element_size())
+        lm_head, device = self._held.lm_head, features.final.device.type
+        itemsize = (torch.finfo(torch.get_autocast_dtype(device)).bits // 8 if torch.is_autocast_enabled(device)
+                    else lm_head.weight.element_size())
+        return chunked_draft_targets(lambda s, e: lm_head(features.final[:, s:e]), B, T, lm_head.weight.shape[0],
+                                     self.d2t, self.t2d, itemsize)
 
     def _default_positions(self, input_ids, position_ids):
         if position_ids is None:
@@ -488,15 +508,16 @@ class Eagle3Drafter(EagleDrafter):
         with torch.no_grad():
             scored_at = [self.trained_mask(loss_mask, position_ids, k) if T - 2 - k > 0 else None for k in range(K)]
             keep, read = read_positions(scored_at, ahead=align)
-        outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids, keep=keep)
-        with torch.no_grad():
-            target_logp, target_ids, in_draft = draft_targets(self._target_logits(features), self.d2t, self.t2d)
+            # the targets before the unroll, so that the verifier's logits (chunked, never (B, T, V) at once) and
+            # their softmax temporaries are not alive beside the unroll's saved activations, the step's peak
+            target_logp, target_ids, in_draft = self._draft_targets(features, B, T)
             # forward_kl weighted without the measured acceptance needs only p: exp'd once for every step
             fused = self.cfg.loss == "forward_kl" and self.cfg.step_weights != "reach"
             if fused:
-                target_p = target_logp.exp()  # (B, T, Vd)
+                target_p = target_logp.exp_()  # (B, T, Vd), in place: log p is not read again
                 target_mass = target_p.sum(-1)
                 target_logp = None  # only p is read from here on
+        outs = self.ttt_unroll(input_ids, self.project_features(feats), position_ids, keep=keep)
         # the norm, lm_head and loss over the positions read, in chunks, the head's backward in the forward
         head = HeadLoss(None if self.cfg.norm_output else self.norm, self.lm_head.weight, self.cfg.loss,
                         self.cfg.lk_eta, logits_of=self.logits)

@@ -52,6 +52,31 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
     return logp, target_ids, t2d[target_ids]
 
 
+#: Bytes of the verifier's (B, c, V) logits that `chunked_draft_targets` computes at a time: 128 MiB, 512 positions
+#: of Llama-3's 128k vocabulary in bf16, where the whole row's would be 0.5 GiB at 2k tokens and 8 GiB at 32k.
+TARGET_CHUNK_BYTES = 1 << 27
+
+
+def chunked_draft_targets(logits_at: Callable[[int, int], torch.Tensor], B: int, T: int, V: int, d2t: torch.Tensor,
+                          t2d: torch.Tensor, itemsize: int = 2, chunk: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draft_targets` of a row whose (B, T, V) logits are never whole: `logits_at(s, e)` gives positions s..e-1's
+    (B, e - s, V), `chunk` positions at a time (default: TARGET_CHUNK_BYTES of `itemsize`-byte logits), each chunk's
+    results written into the (B, T, Vd) / (B, T) outputs. Equal to `draft_targets` of the whole, position by
+    position (every operation is per position)."""
+    chunk = chunk or max(1, TARGET_CHUNK_BYTES // max(1, B * V * itemsize))
+    logp = ids = in_draft = None
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        part_logp, part_ids, part_in = draft_targets(logits_at(s, e), d2t, t2d)
+        if logp is None:
+            logp = part_logp.new_empty(B, T, part_logp.shape[-1])
+            ids, in_draft = part_ids.new_empty(B, T), part_in.new_empty(B, T)
+        logp[:, s:e], ids[:, s:e], in_draft[:, s:e] = part_logp, part_ids, part_in
+        del part_logp
+    return logp, ids, in_draft
+
+
 #: Bytes of one (B, C, Vd) fp32 buffer of `HeadLoss`: a chunk of C positions at a time (a few such buffers are alive
 #: while a chunk runs). 128 MiB: 1,024 positions of a 32k draft vocabulary, 261 of a 128k one; small vocabularies
 #: take every position in one chunk.

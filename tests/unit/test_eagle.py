@@ -14,6 +14,7 @@ from draftheads.models.eagle import (
     EagleTrainModule,
     StepCounts,
     build_drafter,
+    chunked_draft_targets,
     count_tokens,
     draft_targets,
     draft_to_target,
@@ -362,6 +363,24 @@ def test_draft_targets_renormalise_over_the_draft_vocab():
     assert torch.equal(target_ids, logits.argmax(-1))
     assert target_ids[0, 0] == 3 and not in_draft[0, 0] and target_ids[0, 1] == 8
 
+
+
+def test_chunked_draft_targets_equal_the_whole_rows():
+    logits = torch.randn(2, 10, 12)
+    d2t, t2d = select_draft_vocab(torch.arange(12), 5)
+    whole = draft_targets(logits, d2t, t2d)
+    asked = []
+
+    def logits_at(s, e):
+        asked.append((s, e))
+        return logits[:, s:e]
+
+    for chunk, expected in ((3, [(0, 3), (3, 6), (6, 9), (9, 10)]), (None, [(0, 10)])):
+        asked.clear()
+        parts = chunked_draft_targets(logits_at, 2, 10, 12, d2t, t2d, chunk=chunk)
+        assert asked == expected  # never more than `chunk` positions' logits at once
+        for got, want in zip(parts, whole):
+            assert torch.equal(got, want)
 
 def test_drafter_maps_and_lm_head_start_from_the_verifier(verifiers):
     verifier = verifiers["llama"]
