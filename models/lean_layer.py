@@ -3,7 +3,7 @@ same arithmetic: under bf16 autocast a Llama layer keeps three bf16 copies of th
 projection's cast), two of the MLP input, and four (T, intermediate) tensors of its MLP (gate, SiLU(gate), up and
 their product). Here the input is cast once for all its projections (`cast_once`), and the MLP keeps only gate and
 up (`swiglu_mlp`: SiLU(gate) and the product are recomputed in the backward, elementwise, where they are read). At
-Llama-3.1-8B's shapes that is 96 of the 262 KiB a token that one EAGLE-3 TTT step kept.
+Llama-3.1-8B's shapes that is 94 of the 268 KiB a token that one EAGLE-3 TTT step kept.
 
 Both run autograd's own ops in the same dtypes, the projections as the modules (so autocast's weight cache and
 DeepSpeed's and FSDP's module hooks see them as usual); the one difference is where a cast input's gradients are
