@@ -121,8 +121,8 @@ def _checkpointing(hooks) -> bool:
 
 
 def swiglu_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Llama-style MLP, down(act(gate(x)) * up(x)), run with `swiglu_down` when it is SiLU without biases and
-    gradients are needed; as the module otherwise."""
+    """A Llama-style MLP, down(act(gate(x)) * up(x)), keeping gate and up only (`_SiluMul`, and `_recomputed`'s hooks
+    on the down projection) when it is SiLU without biases and gradients are needed; as the module otherwise."""
     act = getattr(mlp, "act_fn", None)
     silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
     lean = (_enabled and torch.is_grad_enabled() and silu

@@ -57,7 +57,8 @@ def default_chunk_rows(vocab_size: int) -> int:
     return max(16, CHUNK_BYTES // (4 * vocab_size))
 
 
-def _matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+def matmul_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype x @ weight.T runs (and returns) in: autocast's where it is on for x's device, else the weight's."""
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return weight.dtype
@@ -69,7 +70,7 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
     tensor unless `want_argmax`)."""
     N = x.shape[0]
     argmax = torch.empty(N if want_argmax else 0, dtype=torch.long, device=x.device)
-    mm = _matmul_dtype(x, weight)
+    mm = matmul_dtype(x, weight)
     acc = torch.promote_types(mm, torch.float32)  # softmax and sums: fp32 (fp64 when the inputs are)
     w_mm = weight.to(mm)
     loss = x.new_zeros((), dtype=acc)

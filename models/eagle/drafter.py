@@ -32,6 +32,7 @@ from draftheads.models.placed import Placed
 from draftheads.models.eagle.ttt import ttt_attention
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
 from draftheads.models.lean_layer import cast_once, swiglu_mlp
+from draftheads.models.linear_loss import matmul_dtype
 
 
 class EagleDrafter(Placed, nn.Module):
@@ -319,11 +320,9 @@ class EagleDrafter(Placed, nn.Module):
             logits = features.logits
             return chunked_draft_targets(lambda s, e: logits[:, s:e], B, T, logits.shape[-1], self.d2t, self.t2d,
                                          logits.element_size())
-        lm_head, device = self._held.lm_head, features.final.device.type
-        itemsize = (torch.finfo(torch.get_autocast_dtype(device)).bits // 8 if torch.is_autocast_enabled(device)
-                    else lm_head.weight.element_size())
+        lm_head = self._held.lm_head
         return chunked_draft_targets(lambda s, e: lm_head(features.final[:, s:e]), B, T, lm_head.weight.shape[0],
-                                     self.d2t, self.t2d, itemsize)
+                                     self.d2t, self.t2d, matmul_dtype(features.final, lm_head.weight).itemsize)
 
     def _default_positions(self, input_ids, position_ids):
         if position_ids is None:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, token_loss
+from draftheads.models.linear_loss import matmul_dtype
 
 
 # ---- losses and metrics (pure) -----------------------------------------------------------------------------------
@@ -169,8 +170,7 @@ class HeadLoss:
             return self._module_step(hidden, target, token_weight, target_mass, rows, step_weight, topk)
         grads = torch.is_grad_enabled() and (hidden.requires_grad or bool(self.params))
         chunk = self._chunk(target, B)
-        mm = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
-            else self.weight.dtype
+        mm = matmul_dtype(hidden, self.weight)
         if self._cast is None or self._cast[0] != mm:
             self._cast = (mm, self.weight.detach().to(mm))
         w_mm = self._cast[1]
