@@ -16,6 +16,8 @@ builds (the rows training sees):
                    final (N, T, H): the last post-norm hidden state, computed with those positions and attention
                    inside each document only
     eagle3         layers (N, 3, T, H): the inputs of the feature layers (`eagle.layer_ids`, default 2, L//2, L-3)
+                   argmax int32 (N, T): the verifier's argmax of lm_head(final) over the whole vocabulary, as
+                   computed from `final` as stored (index.json `argmax: true`; caches dumped before it have none)
     dflash         layers (N, L, T, H): the outputs of the target layers (`dflash.target_layer_ids`), stored as the
                    inputs of layers id + 1
 
@@ -25,9 +27,10 @@ run as part of the row's last document (what `dump-features` computes, either ba
 (`regenerate --capture`). A run may train from either: the two agree on every position it reads.
 
 Logits are never stored: wherever a loss reads the verifier's distribution (Medusa `distill`, EAGLE-1's token loss,
-EAGLE-3's targets over the draft vocabulary and its full-vocabulary argmax), it is `lm_head(final)`, which the
-offline source recomputes with the verifier's own lm_head (the verifier is loaded, never run). That is exact,
-H values per token instead of V, and keeps the cache independent of the draft vocabulary chosen at training time.
+EAGLE-3's targets over the draft vocabulary), it is `lm_head(final)`, which the offline source recomputes with the
+verifier's own lm_head (the verifier is loaded, never run). That is exact, H values per token instead of V, and keeps
+the cache independent of the draft vocabulary chosen at training time. EAGLE-3 also reads the argmax over the whole
+vocabulary; stored (4 bytes a token), it lets a run hold only the draft vocabulary's rows of lm_head.
 
 Layout of a cache folder: `{split}-{i:05d}.safetensors` shards of `rows_per_shard` rows (split `train` or `eval`),
 each with a `{split}-{i:05d}.json` sidecar (rows, bytes, sha256) written after the shard was renamed into place
@@ -79,10 +82,10 @@ class CacheError(ValueError):
 
 
 # ---- sizes ---------------------------------------------------------------------------------------------------------
-def bytes_per_token(hidden_size: int, num_layers: int, dtype: str) -> int:
-    """Stored bytes per token: (1 + layers) feature vectors of H values, plus input_ids (4), two masks (1 + 1) and
-    position_ids (4)."""
-    return (1 + num_layers) * hidden_size * FEATURE_DTYPES[dtype][1] + 10
+def bytes_per_token(hidden_size: int, num_layers: int, dtype: str, argmax: bool = False) -> int:
+    """Stored bytes per token: (1 + layers) feature vectors of H values, plus input_ids (4), two masks (1 + 1),
+    position_ids (4) and, with `argmax`, the verifier's argmax (4)."""
+    return (1 + num_layers) * hidden_size * FEATURE_DTYPES[dtype][1] + 10 + (4 if argmax else 0)
 
 
 def human(n: float) -> str:
@@ -110,6 +113,8 @@ def expected_shapes(index: dict, rows: int) -> dict[str, tuple[list[int], str]]:
               "position_ids": ([rows, T], "I32"), "final": ([rows, T, H], feat)}
     if L:
         shapes["layers"] = ([rows, L, T, H], feat)
+    if index.get("argmax"):
+        shapes["argmax"] = ([rows, T], "I32")
     return shapes
 
 
@@ -321,6 +326,8 @@ class CachedRows(torch.utils.data.Dataset):
         f, j = self._handle(s), i - self.starts[s]
         row = {key: f.get_slice(key)[j] for key in self.keys}
         self._check_ids(row["input_ids"].unsqueeze(0), s, j)
+        if "argmax" in row:
+            self._check_ids(row["argmax"].unsqueeze(0), s, j)
         return row
 
     def iter(self, batch_size: int = 1024, columns: tuple[str, ...] = ("input_ids", "loss_mask")):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftheads.models.placed import Placed
@@ -260,6 +261,9 @@ class VerifierFeatures:
     """(B, T, H) each: the inputs of the requested decoder layers, in the order asked."""
     logits: torch.Tensor | None = None
     """(B, T, V) the verifier's logits, when asked for."""
+    argmax: torch.Tensor | None = None
+    """(B, T) int64 the argmax of lm_head(final) over the whole vocabulary, when a feature cache stored it (EAGLE-3's
+    targets then need only the draft vocabulary's rows of lm_head: `Verifier.keep_head_rows`)."""
 
 
 @contextmanager
@@ -303,6 +307,7 @@ class Verifier(Placed, nn.Module):
                 "draftheads supports Llama-style decoders (Llama, Qwen2, Mistral, ...)"
             )
         self.decoder = decoder
+        self._head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) after keep_head_rows
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
@@ -384,6 +389,62 @@ class Verifier(Placed, nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.decoder.layers
+
+    @torch.no_grad()
+    def head_argmax(self, final: torch.Tensor, weight: torch.Tensor | None = None, chunk_bytes: int = 1 << 28
+                    ) -> torch.Tensor:
+        """(N, T) int32 argmax of lm_head(final) over the whole vocabulary (the first maximum, as EAGLE-3's targets
+        take it), for `final` (N, T, H) as a cache stores it; computed where `weight` is (default lm_head's own; a
+        copy of it elsewhere), a slice of positions at a time (logits of at most `chunk_bytes`), returned on
+        `final`'s device."""
+        weight = self.lm_head.weight if weight is None else weight
+        device = weight.device
+        N, T, H = final.shape
+        flat = final.reshape(N * T, H)
+        per = max(1, chunk_bytes // (weight.shape[0] * weight.element_size()))
+        out = torch.empty(N * T, dtype=torch.int32)
+        for s in range(0, N * T, per):
+            x = flat[s:s + per].to(device, weight.dtype)
+            out[s:s + per] = F.linear(x, weight).max(-1).indices.to("cpu", torch.int32)
+        return out.reshape(N, T).to(final.device)
+
+    def keep_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Keep only lm_head's rows `ids` (1-D token ids) and free the rest: returns them as one (len(ids), H) tensor,
+        which `lm_head_rows` then answers from. A run on cached features that stored the verifier's argmax reads no
+        other row (EAGLE-3: its draft vocabulary's). A head tied to the embedding frees nothing and is kept whole."""
+        weight = self.lm_head.weight
+        ids = ids.to(torch.long).flatten()
+        if self._head_rows is not None:
+            return self.lm_head_rows(ids)
+        rows = weight.detach()[ids.to(weight.device)].contiguous()
+        if weight.data_ptr() == self.embed_tokens.weight.data_ptr():
+            return rows
+        self._head_rows = (ids.cpu(), rows)
+        self.register_buffer("kept_head_rows", rows, persistent=False)  # counted where the verifier's tensors are
+        self.lm_head.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        return rows
+
+    def lm_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """(len(ids), H) the lm_head rows of token ids `ids` (1-D), from the whole head or the rows `keep_head_rows`
+        kept (a row it freed is refused in one line)."""
+        ids = ids.to(torch.long).flatten()
+        if self._head_rows is None:
+            weight = self.lm_head.weight
+            return weight.detach()[ids.to(weight.device)]
+        kept, rows = self._head_rows
+        if torch.equal(kept, ids.cpu()):
+            return rows
+        where = {int(t): i for i, t in enumerate(kept.tolist())}
+        missing = [int(t) for t in ids.tolist() if int(t) not in where]
+        if missing:
+            raise VerifierError(f"verifier {self.name!r} holds {len(kept)} rows of its lm_head (keep_head_rows); "
+                                f"token ids {missing[:5]} were freed")
+        return rows[torch.tensor([where[int(t)] for t in ids.tolist()], device=rows.device)]
+
+    @property
+    def holds_whole_head(self) -> bool:
+        """False after `keep_head_rows` freed rows of lm_head: then nothing may compute lm_head(final) itself."""
+        return self._head_rows is None
 
     def describe(self) -> dict:
         """What a drafter stores about its verifier (and checks on load)."""
@@ -504,8 +565,9 @@ class Verifier(Placed, nn.Module):
 
     def held_bytes(self) -> int:
         """Bytes of the weights and buffers this verifier holds in memory (meta tensors hold none; a tied tensor
-        counts once)."""
-        tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers()]}
+        counts once; the lm_head rows `keep_head_rows` kept count)."""
+        kept = [self._head_rows[1]] if self._head_rows is not None else []
+        tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers(), *kept]}
         return sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type != "meta")
 
 

@@ -298,7 +298,8 @@ def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path
     config = json.loads((standin / "config.json").read_text())
     method = {"eagle": "eagle3", "dflash": "dflash", "medusa": "medusa"}[trainer.kind]
     layer_ids = feature_layers(trainer)
-    folder = work / f"cache-{standin.name}-{method}-{seq}x{rows}"
+    argmax = method == "eagle3"  # as `dump-features` writes an EAGLE-3 cache: the verifier's argmax stored
+    folder = work / f"cache-{standin.name}-{method}-{seq}x{rows}{'-argmax' if argmax else ''}"
     if (folder / "index.json").is_file():
         return folder
     say(f"writing the feature cache {folder.name}: random bf16 features, {len(layer_ids)} layers + final")
@@ -308,8 +309,14 @@ def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path
     plan = {"format": FORMAT, "version": VERSION, "method": method, "verifier": verifier,
             "verifier_dtype": "bfloat16", "layer_ids": layer_ids, "dtype": "bfloat16", "seq_len": seq,
             "hidden_size": H, "rows_per_shard": 1, "rows": {"train": rows, "eval": 1},
-            "data": {"source": "random token ids (scripts/bench_scale.py)", "seq_len": seq, "seed": 0}}
+            "data": {"source": "random token ids (scripts/bench_scale.py)", "seq_len": seq, "seed": 0},
+            "argmax": argmax}
     folder.mkdir(parents=True, exist_ok=True)
+    head = None
+    if argmax:
+        from draftheads.models.verifier import Verifier
+
+        head = Verifier.load_head(standin, dtype="bfloat16", device="cpu")
     gen = torch.Generator().manual_seed(1)
     for split, n in plan["rows"].items():
         tokens = random_rows(config["vocab_size"], seq, n, seed=2 + (split == "eval"))
@@ -319,6 +326,8 @@ def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path
             tensors["final"] = torch.randn(1, seq, H, generator=gen).to(torch.bfloat16)
             if layer_ids:
                 tensors["layers"] = torch.randn(1, len(layer_ids), seq, H, generator=gen).to(torch.bfloat16)
+            if head is not None:
+                tensors["argmax"] = head.head_argmax(tensors["final"])
             _write_shard(folder, shard_name(split, r), tensors, 1, plan)  # the dump's own shard writer
     write_index(folder, plan)
     return folder
@@ -446,7 +455,7 @@ def build_our_step(kind: str, cfg, verifier):
 
     from bench_train import autocast  # the trainers' mixed precision; the child runs as a script: its folder is on
     #                                   the path (scale_meter, bench_train, bench_peers)
-    from draftheads.train.features import feature_source
+    from draftheads.train.features import cache_stores_argmax, feature_source
     from draftheads.train.optim import build_optimizer
 
     if kind == "eagle":
@@ -455,6 +464,8 @@ def build_our_step(kind: str, cfg, verifier):
         counts = count_tokens(torch.randint(0, verifier.vocab_size, (1, 65536)), torch.ones(1, 65536, dtype=torch.long),
                               verifier.vocab_size)
         model = EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts=counts)).train()
+        if verifier.head_only and cache_stores_argmax(cfg):  # as train/eagle.py: the draft rows of lm_head only
+            model.drafter.hold_draft_rows(verifier)
         features = feature_source(cfg, verifier, layer_ids=model.drafter.feature_layers)
 
         def forward(batch, feats):
@@ -490,7 +501,7 @@ def build_our_step(kind: str, cfg, verifier):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return step, [model, verifier.model], optimizer
+    return step, [model, verifier], optimizer  # the verifier's tensors: its model's and the lm_head rows it kept
 
 
 def child(spec_path: str) -> int:

@@ -7,7 +7,9 @@ Writes a random-weight stand-in with the model's hidden size, heads, intermediat
 `--layers` decoder layers (bf16, three safetensors shards with an index, as hub checkpoints are) to a temporary
 folder, in a child process, then loads it as the trainers do for offline features (`Verifier.load_head`, what
 `train.placement.load_verifier` calls) and prints the bytes the verifier holds, this process's peak RSS growth over
-the load and one read of every value held, and what the whole verifier with all its layers would hold (counted on the meta device, never loaded).
+the load and one read of every value held, what an EAGLE-3 run on a cache that stores the verifier's argmax holds (the
+draft vocabulary's rows of lm_head only) and what the whole verifier with all its layers would hold (counted on the
+meta device, never loaded).
 Disk: about 3 GB for the stand-in, removed at the end.
 """
 
@@ -76,6 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(SHAPES), default="llama3-8b")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers in the stand-in (default 2)")
+    parser.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3's draft vocabulary (default 32000)")
     parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)  # the child process: write and exit
     args = parser.parse_args()
     if args.write:
@@ -102,16 +105,24 @@ def main() -> None:
         held = verifier.held_bytes()
         parts = {"embed_tokens": verifier.embed_tokens.weight, "lm_head": verifier.lm_head.weight,
                  "norm": verifier.norm.weight}
+        shape = tuple(verifier.lm_head.weight.shape)
+        # EAGLE-3 on a cache that stores the verifier's argmax: its draft vocabulary's rows of lm_head only
+        # (`Eagle3Drafter.hold_draft_rows`); which rows does not change the bytes
+        verifier.keep_head_rows(torch.randperm(verifier.vocab_size)[:args.draft_vocab].sort().values)
+        eagle3 = verifier.held_bytes()
     with torch.device("meta"):
         whole = AutoModelForCausalLM.from_config(config(args.model), dtype=torch.bfloat16)
     whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
     layers_real = SHAPES[args.model]["num_hidden_layers"]
     print(f"{args.model} shapes, bf16: stand-in with {args.layers} layers, {on_disk / GIB:.2f} GiB on disk")
     print(f"offline run holds {held / GIB:.3f} GiB of the verifier ("
-          + ", ".join(f"{k} {tuple(t.shape)} {t.numel() * t.element_size() / GIB:.3f}" for k, t in parts.items())
+          + ", ".join(f"{k} {tuple(t.shape) if k != 'lm_head' else shape} "
+                      f"{t.numel() * t.element_size() / GIB:.3f}" for k, t in parts.items())
           + f"); decoder-layer tensors held: "
           f"{sum(1 for n, p in verifier.model.named_parameters() if '.layers.' in n and p.device.type != 'meta')}")
     print(f"peak RSS growth over the load and one read of every held value: {grown / GIB:.3f} GiB")
+    print(f"EAGLE-3 on a cache with the verifier's argmax holds {eagle3 / GIB:.3f} GiB (lm_head: its "
+          f"{args.draft_vocab} draft rows, {args.draft_vocab * shape[1] * 2 / GIB:.3f})")
     print(f"the whole verifier ({layers_real} layers) would hold {whole_bytes / GIB:.2f} GiB")
 
 

@@ -63,7 +63,10 @@ from draftheads.train.vllm_backend import VllmFeatures, aux_ids, start_capture
 
 #: What a plan started before a key existed had (a cache started before backends were recorded was HF's, and joined
 #: its padding).
-PLAN_ADDED = {"backend": "hf", "padding": "joined"}
+PLAN_ADDED = {"backend": "hf", "padding": "joined", "argmax": False}
+#: Methods whose caches store the verifier's argmax over the whole vocabulary (data/hidden_states.py): EAGLE-3 reads
+#: it beside its draft vocabulary's logits, and with it a run holds only that vocabulary's rows of lm_head.
+ARGMAX_METHODS = ("eagle3",)
 
 
 # ---- what a run needs ----------------------------------------------------------------------------------------------
@@ -173,7 +176,9 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
             "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
             "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
             "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs,
-            "backend": backend, "padding": padding}
+            "backend": backend, "padding": padding,
+            # a dump resumed from a plan written before argmax was stored goes on without it (its shards lack it)
+            "argmax": bool(before.get("argmax", False)) if before else method in ARGMAX_METHODS}
     if before:
         was = {**PLAN_ADDED, **before}
         changed = [k for k in plan if k != "inputs" and was.get(k) != plan[k]]
@@ -189,7 +194,7 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     if main:
         write_json(plan_path, plan)
 
-    per_token = bytes_per_token(verifier.hidden_size, len(layer_ids), dtype)
+    per_token = bytes_per_token(verifier.hidden_size, len(layer_ids), dtype, plan["argmax"])
     tokens = sum(plan["rows"].values()) * cfg.data.seq_len
     estimate = per_token * tokens
     say(f"[dump] {method} features of {plan['rows']['train']} train + {plan['rows']['eval']} held-out rows x "
@@ -202,6 +207,7 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
     # vLLM: the caller's (left running), else ours, started at the first shard to compute (a finished cache costs
     # no start)
     own_engine = engine is None
+    head = None  # the lm_head the argmax is computed with, placed at the first shard that needs it
     try:
         for split, ds in datasets.items():
             n_shards = -(-len(ds) // rows_per_shard)
@@ -218,6 +224,10 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
                     tensors = VllmFeatures(engine, verifier, layer_ids, to_dtype(dtype), padding)(rows)
                 else:
                     tensors = _run_verifier(verifier, rows, layer_ids, to_dtype(dtype), micro)
+                if plan["argmax"]:
+                    if head is None:
+                        head = _ArgmaxHead(verifier, state.device, say)
+                    tensors["argmax"] = head(tensors["final"])
                 _write_shard(folder, name, tensors, hi - lo, plan)
                 written.append(name)
                 say(f"[dump] {name}: {hi - lo} rows ({time.perf_counter() - started:.0f} s)")
@@ -247,6 +257,30 @@ def _start_vllm(cfg, verifier, layer_ids, folder: Path, state, tensor_parallel_s
     say(f"[dump] vLLM {engine.version} started in {time.perf_counter() - t0:.0f} s (extract_hidden_states, aux "
         f"layers {aux_ids(layer_ids, verifier.num_layers)})")
     return engine
+
+
+class _ArgmaxHead:
+    """The verifier's argmax of lm_head(final) for a shard (`Verifier.head_argmax`), on this process's device: with
+    the vLLM backend the verifier's head is read on the CPU, and on a GPU machine a copy of lm_head goes to the GPU
+    beside vLLM (the product is V x H a token, 0.5 GFLOP at Llama-3's vocabulary). A GPU without room for it: the
+    CPU, said once."""
+
+    def __init__(self, verifier, device, say=print):
+        self.verifier, self.say = verifier, say
+        self.weight = verifier.lm_head.weight
+        if torch.device(device) != self.weight.device:
+            try:
+                self.weight = self.weight.to(device)
+            except torch.OutOfMemoryError:
+                say(f"[dump] no room for a copy of lm_head on {device}: the argmax runs on {self.weight.device}")
+
+    def __call__(self, final: torch.Tensor) -> torch.Tensor:
+        try:
+            return self.verifier.head_argmax(final, weight=self.weight)
+        except torch.OutOfMemoryError:
+            self.say(f"[dump] out of memory for the argmax on {self.weight.device}: computed on the CPU from here on")
+            self.weight = self.verifier.lm_head.weight.to("cpu")
+            return self.verifier.head_argmax(final, weight=self.weight)
 
 
 @torch.no_grad()
@@ -306,7 +340,8 @@ def write_index(folder: Path, plan: dict) -> dict:
             total += meta["bytes"]
         splits[split] = {"rows": plan["rows"][split], "shards": shards}
     index = {**{k: v for k, v in plan.items() if k != "rows"}, "splits": splits,
-             "bytes_per_token": bytes_per_token(plan["hidden_size"], len(plan["layer_ids"]), plan["dtype"]),
+             "bytes_per_token": bytes_per_token(plan["hidden_size"], len(plan["layer_ids"]), plan["dtype"],
+                                                plan.get("argmax", False)),
              "total_bytes": total}
     write_json(folder / "index.json", index)
     return index

@@ -41,7 +41,7 @@ from draftheads.models.export import check_eagle_engine, export_eagle
 from draftheads.train.cli import main_guard
 from draftheads.train.config import ConfigError, ExportedRunConfig
 from draftheads.train.finish import finish_run
-from draftheads.train.features import batch_tokens, feature_source
+from draftheads.train.features import batch_tokens, cache_stores_argmax, feature_source
 from draftheads.train.heldout import chain_eval_values, chain_sums, heldout_sums
 from draftheads.train.loaders import draft_vocab_counts, get_dataloaders
 from draftheads.train.loop import TrainLoop
@@ -116,6 +116,11 @@ def main(cfg: EagleRunConfig) -> dict:
         coverage = float(token_counts[drafter.t2d.cpu()].sum() / token_counts.sum().clamp(min=1))
         say(f"[eagle3] draft vocabulary {drafter.draft_vocab_size} of {verifier.vocab_size} tokens covers "
             f"{coverage:.1%} of the training targets")
+    if cfg.eagle.version == 3 and cfg.features == "offline" and verifier.head_only and cache_stores_argmax(cfg):
+        drafter.hold_draft_rows(verifier)  # the cache's argmax stands in for the whole head: the other rows are freed
+        if not verifier.holds_whole_head:
+            say(f"[eagle3] verifier lm_head: the draft vocabulary's {drafter.draft_vocab_size} rows held, the rest "
+                "freed (the feature cache stores the verifier's argmax)")
     # the nulls as this version fills them (feature layers, mask token, noise; biases and sizes through the weights'
     # shapes): a continued run must agree (train/run_folder.py, record_resolved)
     record_run_resolved(accelerator, cfg, "eagle", {

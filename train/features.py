@@ -42,7 +42,8 @@ def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = 
                      ) -> FeatureSource:
     """A source that reads each batch's features from the hidden-state cache (`data.hidden_states`): batches come
     from its loader (`train.loaders.get_dataloaders` with features=offline) with `final` (B, T, H) and `layers`
-    (B, L, T, H) attached. The verifier is never run: only its lm_head, for the logits, which are lm_head(final)."""
+    (B, L, T, H) attached, and `argmax` (B, T) where the cache stored the verifier's (EAGLE-3). The verifier is
+    never run: only its lm_head, for the logits, which are lm_head(final)."""
     from draftheads.data.hidden_states import check_verifier, read_index
 
     index = read_index(folder)
@@ -60,7 +61,8 @@ def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = 
         if return_logits:
             with torch.no_grad():
                 logits = verifier.lm_head(final)  # (B, T, V), as the online forward computes them
-        return VerifierFeatures(final=final, layers=layers, logits=logits)
+        argmax = batch["argmax"].long() if "argmax" in batch else None  # (B, T), EAGLE-3 caches
+        return VerifierFeatures(final=final, layers=layers, logits=logits, argmax=argmax)
 
     return features
 
@@ -73,6 +75,16 @@ def feature_source(cfg: RunConfig, verifier, layer_ids: list[int] | tuple[int, .
             verifier.check_document_mask()  # one short forward: refuse a model that would attend across
         return online_features(verifier, layer_ids, return_logits)
     return offline_features(verifier, cfg.feature_cache, layer_ids, return_logits)
+
+
+def cache_stores_argmax(cfg: RunConfig) -> bool:
+    """Whether the run reads cached features that store the verifier's argmax (EAGLE-3 caches dumped by this
+    version): the run may then hold only its draft vocabulary's rows of lm_head."""
+    if cfg.features != "offline":
+        return False
+    from draftheads.data.hidden_states import read_index
+
+    return bool(read_index(cfg.feature_cache).get("argmax"))
 
 
 def batch_tokens(batch: dict) -> torch.Tensor:

@@ -104,7 +104,13 @@ from draftheads.models.eagle.layer import (  # noqa: F401
     llama_layer_config,
     norm_scale,
 )
-from draftheads.models.eagle.losses import add_uniform_noise, chunked_draft_targets, draft_targets, eagle1_loss  # noqa: F401
+from draftheads.models.eagle.losses import (  # noqa: F401
+    add_uniform_noise,
+    chunked_draft_targets,
+    draft_targets,
+    eagle1_loss,
+    row_draft_targets,
+)
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts  # noqa: F401
 from draftheads.models.eagle.train import EagleTrainModule  # noqa: F401
 from draftheads.models.eagle.ttt import ttt_attention, ttt_attention_mask  # noqa: F401

@@ -82,6 +82,29 @@ def chunked_draft_targets(logits_at: Callable[[int, int], torch.Tensor], B: int,
     return logp, ids, in_draft
 
 
+def row_draft_targets(final: torch.Tensor, rows: torch.Tensor, target_ids: torch.Tensor, t2d: torch.Tensor,
+                      chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`draft_targets` from the draft vocabulary's lm_head rows `rows` (Vd, H) and the verifier's argmax over the
+    whole vocabulary `target_ids` (B, T) (a feature cache stores it): the draft columns' logits are final @ rows^T,
+    the numbers the whole head gives at those columns, `chunk` positions at a time (default: equal chunks of at
+    most TARGET_CHUNK_BYTES of logits). final (B, T, H)."""
+    B, T, _ = final.shape
+    Vd = rows.shape[0]
+    if chunk is None:
+        parts = -(-T * B * Vd * matmul_dtype(final, rows).itemsize // TARGET_CHUNK_BYTES)
+        chunk = -(-T // max(1, parts))
+    logp = None
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        part = torch.log_softmax(F.linear(final[:, s:e], rows).float(), dim=-1)  # (B, c, Vd)
+        if logp is None:
+            logp = part.new_empty(B, T, Vd)
+        logp[:, s:e] = part
+        del part
+    ids = target_ids.to(torch.long)
+    return logp, ids, t2d[ids]
+
+
 #: Bytes of one (B, C, Vd) fp32 buffer of `HeadLoss`: a chunk of C positions at a time (a few such buffers are alive
 #: while a chunk runs). 128 MiB: 1,024 positions of a 32k draft vocabulary, 261 of a 128k one; small vocabularies
 #: take every position in one chunk.

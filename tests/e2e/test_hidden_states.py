@@ -117,6 +117,46 @@ def test_eagle3_offline_training_equals_online(verifier_dir, text_rows, tmp_path
     assert_same_losses(losses(tmp_path / "online"), losses(tmp_path / "offline"))
 
 
+def test_an_eagle3_cache_without_the_argmax_still_trains_and_resumes_without_it(verifier_dir, text_rows, tmp_path,
+                                                                                  monkeypatch):
+    """A cache dumped before the argmax was stored: a run on it holds the whole lm_head and trains as on a cache
+    with it; a dump resumed in it writes its missing shards without the argmax too."""
+    from safetensors.torch import load_file, save_file
+
+    from draftheads.data.identity import sha256_file
+    from draftheads.train import eagle as train_eagle
+
+    cfg = eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / "unused"))
+    new, old = tmp_path / "new", tmp_path / "old"
+    dump(cfg, new, dtype="float32", rows_per_shard=8, say=quiet)
+    dump(cfg, old, dtype="float32", rows_per_shard=8, say=quiet)
+    index = read_index(old)
+    for split in ("train", "eval"):  # as an older version wrote them
+        for meta in index["splits"][split]["shards"]:
+            tensors = load_file(old / meta["file"])
+            del tensors["argmax"]
+            save_file(tensors, old / meta["file"])
+            meta.update(bytes=(old / meta["file"]).stat().st_size, sha256=sha256_file(old / meta["file"]))
+            (old / meta["file"].replace(".safetensors", ".json")).write_text(json.dumps(meta))
+    plan = json.loads((old / "plan.json").read_text())
+    for name, record in (("plan.json", plan), ("index.json", index)):
+        del record["argmax"]
+        (old / name).write_text(json.dumps(record))
+    loaded = []
+    load = train_eagle.load_verifier
+    monkeypatch.setattr(train_eagle, "load_verifier", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
+    for cache in (new, old):
+        train_eagle.main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / cache.name,
+                                                "--features=offline", f"--feature_cache={cache}")))
+    assert [v.holds_whole_head for v, _ in loaded] == [False, True]
+    assert_same_losses(losses(tmp_path / "new"), losses(tmp_path / "old"))
+    (old / "index.json").unlink()
+    (old / "train-00001.json").unlink()
+    assert dump(cfg, old, dtype="float32", rows_per_shard=8, say=quiet).written == ["train-00001.safetensors"]
+    assert not read_index(old).get("argmax") and "argmax" not in load_file(old / "train-00001.safetensors")
+    verify_shards(old, read_index(old), check_hash=True)
+
+
 def test_eagle1_trains_offline_from_an_eagle3_cache(verifier_dir, text_rows, tmp_path):
     """A cache with more than a run needs serves it: EAGLE-1 reads `final` of an EAGLE-3 cache (noise included)."""
     from draftheads.train.eagle import main
@@ -141,7 +181,7 @@ def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_p
     index = read_index(tmp_path / "cache")
     assert index["dtype"] == "bfloat16"
     tokens = sum(index["splits"][s]["rows"] for s in ("train", "eval")) * 32
-    assert result.estimate_bytes == bytes_per_token(64, 3, "bfloat16") * tokens
+    assert index["argmax"] and result.estimate_bytes == bytes_per_token(64, 3, "bfloat16", argmax=True) * tokens
     assert 1.0 <= result.actual_bytes / result.estimate_bytes < 1.5  # safetensors headers are the difference
     train, _ = cached_datasets(cfg_with_cache(cfg, tmp_path / "cache"))
     row = train[0]
@@ -165,6 +205,9 @@ def test_bf16_cache_is_close_and_estimate_is_sane(verifier_dir, text_rows, tmp_p
     end = start + 1 + int(rest[0]) if len(rest) else 32
     alone = verifier.features(packed["input_ids"][None, start:end].long(), layer_ids=layer_ids)
     torch.testing.assert_close(packed["final"][start:end].float(), alone.final[0], rtol=1e-2, atol=1e-2)
+    # the verifier's argmax over the whole vocabulary, of `final` as stored (what training computed from it before)
+    assert row["argmax"].dtype == torch.int32
+    assert torch.equal(row["argmax"].long(), verifier.lm_head(row["final"].float()).max(-1).indices)
     loader = torch.utils.data.DataLoader(train, batch_size=2, num_workers=1)  # workers reopen the shards
     assert torch.equal(next(iter(loader))["final"][0], row["final"])
 

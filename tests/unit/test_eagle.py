@@ -1,5 +1,6 @@
 """EAGLE-1 / EAGLE-3 drafters: TTT attention, losses, masks, vocab maps, the incremental inference API."""
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -19,6 +20,7 @@ from draftheads.models.eagle import (
     draft_targets,
     draft_to_target,
     eagle1_loss,
+    row_draft_targets,
     select_draft_vocab,
     step_counts,
     target_to_draft,
@@ -381,6 +383,46 @@ def test_chunked_draft_targets_equal_the_whole_rows():
         assert asked == expected  # never more than `chunk` positions' logits at once
         for got, want in zip(parts, whole):
             assert torch.equal(got, want)
+
+def test_draft_targets_from_the_draft_rows_and_a_stored_argmax_equal_the_whole_heads():
+    torch.manual_seed(0)
+    final, weight = torch.randn(2, 10, 8), torch.randn(12, 8)
+    d2t, t2d = select_draft_vocab(torch.arange(12), 5)
+    whole = draft_targets(final @ weight.T, d2t, t2d)
+    rows = weight[draft_to_target(torch.arange(5), d2t)]
+    for chunk in (3, None):
+        logp, ids, in_draft = row_draft_targets(final, rows, whole[1].int(), t2d, chunk=chunk)
+        torch.testing.assert_close(logp, whole[0], rtol=1e-6, atol=1e-6)
+        assert ids.dtype == torch.long and torch.equal(ids, whole[1]) and torch.equal(in_draft, whole[2])
+
+
+def test_a_drafter_holding_the_draft_rows_trains_as_with_the_whole_head(tiny_verifier_dirs):
+    """hold_draft_rows: the verifier frees lm_head's other rows; with the argmax in the features (as a cache stores
+    it) the loss, its gradients and the counts are the whole head's."""
+    verifier = Verifier.from_pretrained(tiny_verifier_dirs["llama"])  # its own: keep_head_rows frees rows
+    drafter = make(verifier, 3)
+    ids = torch.randint(0, verifier.vocab_size, (2, T))
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    mask = torch.ones(2, T, dtype=torch.long)
+    argmax = verifier.head_argmax(feats.final)
+    runs = []
+    for hold in (False, True):
+        if hold:
+            drafter.hold_draft_rows(verifier)
+            assert verifier.lm_head.weight.device.type == "meta"
+            with pytest.raises(EagleError, match="must carry the verifier's argmax"):
+                drafter.training_loss(ids, feats, mask)
+            feats = dataclasses.replace(feats, argmax=argmax.long())
+        drafter.zero_grad()
+        out = drafter.training_loss(ids, feats, mask)
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = runs
+    torch.testing.assert_close(b.loss, a.loss, rtol=1e-6, atol=1e-7)
+    assert torch.equal(b.counts.correct, a.counts.correct) and torch.equal(b.counts.valid, a.counts.valid)
+    for name, grad in ga.items():
+        torch.testing.assert_close(gb[name], grad, rtol=1e-5, atol=1e-7)
+
 
 def test_drafter_maps_and_lm_head_start_from_the_verifier(verifiers):
     verifier = verifiers["llama"]

@@ -84,3 +84,33 @@ def test_head_names_a_missing_tensor(tmp_path, llama_dir):
     save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, folder / "model.safetensors")
     with pytest.raises(VerifierError, match=r"no tensor 'lm_head.weight' in its safetensors files"):
         Verifier.load_head(folder)
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen2", True)])
+def test_keep_head_rows_frees_the_other_rows_unless_tied(tmp_path, family, tied):
+    """An EAGLE-3 run on a cache that stored the argmax keeps only its draft vocabulary's rows of lm_head."""
+    folder = save_tiny_verifier(tmp_path / "v", family, tie_word_embeddings=tied)
+    head = Verifier.load_head(folder, dtype="float32", device="cpu")
+    whole = head.lm_head.weight.detach().clone()
+    H, V = head.hidden_size, head.vocab_size
+    ids = torch.tensor([7, 3, V - 1, 40])
+    rows = head.keep_head_rows(ids)
+    assert torch.equal(rows, whole[ids]) and torch.equal(head.lm_head_rows(ids), whole[ids])
+    assert head.holds_whole_head == tied  # a tied head is the embedding: nothing to free
+    if tied:
+        assert head.held_bytes() == 4 * (V * H + H)
+        return
+    assert head.lm_head.weight.device.type == "meta"
+    assert head.held_bytes() == 4 * (V * H + len(ids) * H + H)  # embedding, the 4 rows, norm
+    assert torch.equal(head.lm_head_rows(torch.tensor([40, 7])), whole[[40, 7]])  # a subset, in any order
+    with pytest.raises(VerifierError, match=r"holds 4 rows of its lm_head .*token ids \[5\] were freed"):
+        head.lm_head_rows(torch.tensor([7, 5]))
+
+
+def test_head_argmax_is_the_argmax_of_the_logits_in_any_chunking(llama_dir):
+    head = Verifier.load_head(llama_dir, dtype="float32", device="cpu")
+    final = torch.randn(3, 5, head.hidden_size)
+    want = head.lm_head(final).max(-1).indices
+    for chunk_bytes in (1, 7 * head.vocab_size * 4, 1 << 28):  # one position, 7 (a ragged tail), all at once
+        got = head.head_argmax(final, chunk_bytes=chunk_bytes)
+        assert got.dtype == torch.int32 and torch.equal(got.long(), want)
