@@ -287,8 +287,10 @@ def feature_layers(trainer: Trainer) -> list[int]:
     return {"eagle": [0, 1, 2], "dflash": [1, 2, 3, 4, 5], "medusa": []}[trainer.kind]
 
 
-def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path, tiny: bool, work: Path) -> Path:
-    """A feature cache in our format (data/hidden_states.py) of random bf16 features for `rows` random rows."""
+def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path, tiny: bool, work: Path,
+                device: str = "cpu") -> Path:
+    """A feature cache in our format (data/hidden_states.py) of random bf16 features for `rows` random rows (EAGLE-3:
+    with the stand-in's argmax of them, computed on `device`)."""
     import torch
 
     from draftheads.data.hidden_states import FORMAT, VERSION, shard_name
@@ -316,7 +318,7 @@ def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path
     if argmax:
         from draftheads.models.verifier import Verifier
 
-        head = Verifier.load_head(standin, dtype="bfloat16", device="cpu")
+        head = Verifier.load_head(standin, dtype="bfloat16", device=device)
     gen = torch.Generator().manual_seed(1)
     for split, n in plan["rows"].items():
         tokens = random_rows(config["vocab_size"], seq, n, seed=2 + (split == "eval"))
@@ -330,6 +332,9 @@ def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path
                 tensors["argmax"] = head.head_argmax(tensors["final"])
             _write_shard(folder, shard_name(split, r), tensors, 1, plan)  # the dump's own shard writer
     write_index(folder, plan)
+    del head
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the children measure; this process keeps none of the head
     return folder
 
 
@@ -758,7 +763,7 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if trainer.peer is None:
-        cache = build_cache(trainer, model, seq, rows, standin, args.tiny, work) if features == "offline" else None
+        cache = build_cache(trainer, model, seq, rows, standin, args.tiny, work, args.device) if features == "offline" else None
         spec.update(flags=our_flags(trainer, model, seq, features, standin, cache, args.tiny,
                                     bench.settings["precision"], work, optimizer_state),
                     config_class={"eagle": "draftheads.train.eagle:EagleRunConfig",

@@ -450,8 +450,10 @@ class Eagle3Drafter(EagleDrafter):
         """Train on the draft vocabulary's rows of the verifier's lm_head alone: the verifier frees the others
         (`Verifier.keep_head_rows`; at Llama-3.1-8B's shapes 0.25 of 0.98 GiB) and the targets are computed from
         these rows and the verifier's argmax, which the features must then carry (a feature cache that stored it).
-        The targets are the same numbers: the draft columns' logits are these rows' products."""
-        self._held.draft_rows = verifier.keep_head_rows(self.target_columns().cpu())
+        The targets are the same numbers: the draft columns' logits are these rows' products. A draft vocabulary that
+        is the whole vocabulary frees nothing: the whole head stays."""
+        if self.draft_vocab_size < verifier.vocab_size:
+            self._held.draft_rows = verifier.keep_head_rows(self.target_columns().cpu())
 
     @property
     def draft_vocab_size(self) -> int:
