@@ -16,8 +16,8 @@ builds (the rows training sees):
                    final (N, T, H): the last post-norm hidden state, computed with those positions and attention
                    inside each document only
     eagle3         layers (N, 3, T, H): the inputs of the feature layers (`eagle.layer_ids`, default 2, L//2, L-3)
-                   argmax int32 (N, T): the verifier's argmax of lm_head(final) over the whole vocabulary, as
-                   computed from `final` as stored (index.json `argmax: true`; caches dumped before it have none)
+                   argmax int32 (N, T): the verifier's argmax of lm_head(final) over the whole vocabulary, of
+                   `final` as stored, in the verifier's dtype (index.json `argmax: true`; version 2 caches have none)
     dflash         layers (N, L, T, H): the outputs of the target layers (`dflash.target_layer_ids`), stored as the
                    inputs of layers id + 1
 
@@ -56,7 +56,9 @@ from draftheads.data.documents import join_padding
 from draftheads.data.identity import sha256_file
 
 FORMAT = "draftheads-hidden-states"
-VERSION = 2
+VERSION = 3
+#: Older versions still read: version 2 has no `argmax` (an EAGLE-3 run on it holds the verifier's whole lm_head).
+READ_VERSIONS = (2, VERSION)
 #: What a cache of an older version lacks, for the one-line refusal.
 OLD_VERSIONS = {1: "no position_ids (its packed rows' features attended across document boundaries)"}
 METHODS = ("medusa", "eagle1", "eagle3", "dflash")
@@ -152,9 +154,9 @@ def read_index(folder: str | os.PathLike) -> dict:
     if index.get("format") == FORMAT and index.get("version") in OLD_VERSIONS:
         raise CacheError(f"{path}: a version {index['version']} cache ({OLD_VERSIONS[index['version']]}); this "
                          f"draftheads reads version {VERSION}: dump it again with `draftheads dump-features`")
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
+    if index.get("format") != FORMAT or index.get("version") not in READ_VERSIONS:
         raise CacheError(f"{path}: format {index.get('format')!r} version {index.get('version')!r}; expected "
-                         f"{FORMAT!r} version {VERSION}")
+                         f"{FORMAT!r} version {' or '.join(map(str, READ_VERSIONS))}")
     if index.setdefault("padding", PADDINGS[0]) not in PADDINGS:
         raise CacheError(f"{path}: padding={index['padding']!r}; expected one of {PADDINGS}")
     return index

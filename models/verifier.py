@@ -394,31 +394,33 @@ class Verifier(Placed, nn.Module):
     def head_argmax(self, final: torch.Tensor, weight: torch.Tensor | None = None, chunk_bytes: int = 1 << 28
                     ) -> torch.Tensor:
         """(N, T) int32 argmax of lm_head(final) over the whole vocabulary (the first maximum, as EAGLE-3's targets
-        take it), for `final` (N, T, H) as a cache stores it; computed where `weight` is (default lm_head's own; a
-        copy of it elsewhere), a slice of positions at a time (logits of at most `chunk_bytes`), returned on
-        `final`'s device."""
+        take it), for `final` (N, T, H) as a cache stores it, in the head's dtype (the verifier's logits as it
+        computes them); computed where `weight` is (default lm_head's own; a copy of it elsewhere), a slice of
+        positions at a time (logits of at most `chunk_bytes`), returned on `final`'s device."""
         weight = self.lm_head.weight if weight is None else weight
         device = weight.device
+        bias = None if self.lm_head.bias is None else self.lm_head.bias.to(device, weight.dtype)
         N, T, H = final.shape
         flat = final.reshape(N * T, H)
         per = max(1, chunk_bytes // (weight.shape[0] * weight.element_size()))
         out = torch.empty(N * T, dtype=torch.int32)
         for s in range(0, N * T, per):
             x = flat[s:s + per].to(device, weight.dtype)
-            out[s:s + per] = F.linear(x, weight).max(-1).indices.to("cpu", torch.int32)
+            out[s:s + per] = F.linear(x, weight, bias).max(-1).indices.to("cpu", torch.int32)
         return out.reshape(N, T).to(final.device)
 
-    def keep_head_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def keep_head_rows(self, ids: torch.Tensor) -> torch.Tensor | None:
         """Keep only lm_head's rows `ids` (1-D token ids) and free the rest: returns them as one (len(ids), H) tensor,
         which `lm_head_rows` then answers from. A run on cached features that stored the verifier's argmax reads no
-        other row (EAGLE-3: its draft vocabulary's). A head tied to the embedding frees nothing and is kept whole."""
+        other row (EAGLE-3: its draft vocabulary's). None, and the head kept whole, where nothing can be freed: a
+        head tied to the embedding, or one with a bias (its logits are not these rows' products alone)."""
         weight = self.lm_head.weight
         ids = ids.to(torch.long).flatten()
         if self._head_rows is not None:
             return self.lm_head_rows(ids)
+        if weight.data_ptr() == self.embed_tokens.weight.data_ptr() or self.lm_head.bias is not None:
+            return None
         rows = weight.detach()[ids.to(weight.device)].contiguous()
-        if weight.data_ptr() == self.embed_tokens.weight.data_ptr():
-            return rows
         self._head_rows = (ids.cpu(), rows)
         self.register_buffer("kept_head_rows", rows, persistent=False)  # counted where the verifier's tensors are
         self.lm_head.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)

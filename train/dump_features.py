@@ -172,13 +172,14 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
         verifier.check_document_mask()  # one short forward: refuse a model that would attend across documents
     layer_ids = layers_for(method, cfg, verifier)
     datasets = dict(zip(SPLITS, build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)))
-    plan = {"format": FORMAT, "version": VERSION, "method": method, "verifier": verifier.describe(),
+    # a dump resumed from a version 2 plan (no argmax) goes on as one: its shards lack the argmax
+    old = bool(before) and before.get("version") == 2
+    plan = {"format": FORMAT, "version": 2 if old else VERSION, "method": method, "verifier": verifier.describe(),
             "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
             "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
             "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs,
             "backend": backend, "padding": padding,
-            # a dump resumed from a plan written before argmax was stored goes on without it (its shards lack it)
-            "argmax": bool(before.get("argmax", False)) if before else method in ARGMAX_METHODS}
+            "argmax": not old and method in ARGMAX_METHODS}
     if before:
         was = {**PLAN_ADDED, **before}
         changed = [k for k in plan if k != "inputs" and was.get(k) != plan[k]]
@@ -226,7 +227,8 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
                     tensors = _run_verifier(verifier, rows, layer_ids, to_dtype(dtype), micro)
                 if plan["argmax"]:
                     if head is None:
-                        head = _ArgmaxHead(verifier, state.device, say)
+                        head = _ArgmaxHead(verifier, _argmax_device(verifier, state, backend, tensor_parallel_size),
+                                           say)
                     tensors["argmax"] = head(tensors["final"])
                 _write_shard(folder, name, tensors, hi - lo, plan)
                 written.append(name)
@@ -259,11 +261,21 @@ def _start_vllm(cfg, verifier, layer_ids, folder: Path, state, tensor_parallel_s
     return engine
 
 
+def _argmax_device(verifier, state, backend: str, tensor_parallel_size: int) -> torch.device:
+    """Where a shard's argmax is computed: the verifier's device (hf); with vllm, whose process reads the head on the
+    CPU, the first GPU of this process's engine (`_start_vllm`) on a GPU machine, else the CPU."""
+    if backend != "vllm":
+        return verifier.device
+    if state.device.type != "cuda":
+        return torch.device("cpu")
+    return torch.device("cuda", state.local_process_index * tensor_parallel_size if state.num_processes > 1 else 0)
+
+
 class _ArgmaxHead:
-    """The verifier's argmax of lm_head(final) for a shard (`Verifier.head_argmax`), on this process's device: with
-    the vLLM backend the verifier's head is read on the CPU, and on a GPU machine a copy of lm_head goes to the GPU
-    beside vLLM (the product is V x H a token, 0.5 GFLOP at Llama-3's vocabulary). A GPU without room for it: the
-    CPU, said once."""
+    """The verifier's argmax of lm_head(final) for a shard (`Verifier.head_argmax`) on `device` (`_argmax_device`):
+    with the vLLM backend the verifier's head is read on the CPU, and on a GPU machine a copy of lm_head goes to the
+    GPU beside vLLM (the product is V x H a token, 0.5 GFLOP at Llama-3's vocabulary). A GPU without room for it:
+    the CPU, said once."""
 
     def __init__(self, verifier, device, say=print):
         self.verifier, self.say = verifier, say

@@ -450,8 +450,9 @@ class Eagle3Drafter(EagleDrafter):
         """Train on the draft vocabulary's rows of the verifier's lm_head alone: the verifier frees the others
         (`Verifier.keep_head_rows`; at Llama-3.1-8B's shapes 0.25 of 0.98 GiB) and the targets are computed from
         these rows and the verifier's argmax, which the features must then carry (a feature cache that stored it).
-        The targets are the same numbers: the draft columns' logits are these rows' products. A draft vocabulary that
-        is the whole vocabulary frees nothing: the whole head stays."""
+        The targets are the same numbers: the draft columns' logits are these rows' products. Where nothing would be
+        freed (a draft vocabulary that is the whole vocabulary; `keep_head_rows`: a tied head, a head with a bias)
+        the whole head stays and the targets come from it."""
         if self.draft_vocab_size < verifier.vocab_size:
             self._held.draft_rows = verifier.keep_head_rows(self.target_columns().cpu())
 

@@ -119,8 +119,8 @@ def test_eagle3_offline_training_equals_online(verifier_dir, text_rows, tmp_path
 
 def test_an_eagle3_cache_without_the_argmax_still_trains_and_resumes_without_it(verifier_dir, text_rows, tmp_path,
                                                                                   monkeypatch):
-    """A cache dumped before the argmax was stored: a run on it holds the whole lm_head and trains as on a cache
-    with it; a dump resumed in it writes its missing shards without the argmax too."""
+    """A version 2 cache (dumped before the argmax was stored): a run on it holds the whole lm_head and trains as on
+    a version 3 cache; a dump resumed in it writes its missing shards without the argmax too, as version 2."""
     from safetensors.torch import load_file, save_file
 
     from draftheads.data.identity import sha256_file
@@ -141,19 +141,21 @@ def test_an_eagle3_cache_without_the_argmax_still_trains_and_resumes_without_it(
     plan = json.loads((old / "plan.json").read_text())
     for name, record in (("plan.json", plan), ("index.json", index)):
         del record["argmax"]
+        record["version"] = 2
         (old / name).write_text(json.dumps(record))
     loaded = []
     load = train_eagle.load_verifier
     monkeypatch.setattr(train_eagle, "load_verifier", lambda *a, **k: loaded.append(load(*a, **k)) or loaded[-1])
     for cache in (new, old):
-        train_eagle.main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / cache.name,
+        train_eagle.main(eagle_cfg(*eagle3_args((verifier_dir, text_rows), tmp_path / f"run-{cache.name}",
                                                 "--features=offline", f"--feature_cache={cache}")))
     assert [v.holds_whole_head for v, _ in loaded] == [False, True]
-    assert_same_losses(losses(tmp_path / "new"), losses(tmp_path / "old"))
+    assert_same_losses(losses(tmp_path / "run-new"), losses(tmp_path / "run-old"))
     (old / "index.json").unlink()
     (old / "train-00001.json").unlink()
     assert dump(cfg, old, dtype="float32", rows_per_shard=8, say=quiet).written == ["train-00001.safetensors"]
-    assert not read_index(old).get("argmax") and "argmax" not in load_file(old / "train-00001.safetensors")
+    assert read_index(old)["version"] == 2 and not read_index(old).get("argmax")
+    assert "argmax" not in load_file(old / "train-00001.safetensors")
     verify_shards(old, read_index(old), check_hash=True)
 
 

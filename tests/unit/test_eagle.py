@@ -394,6 +394,9 @@ def test_draft_targets_from_the_draft_rows_and_a_stored_argmax_equal_the_whole_h
         logp, ids, in_draft = row_draft_targets(final, rows, whole[1].int(), t2d, chunk=chunk)
         torch.testing.assert_close(logp, whole[0], rtol=1e-6, atol=1e-6)
         assert ids.dtype == torch.long and torch.equal(ids, whole[1]) and torch.equal(in_draft, whole[2])
+    stored = torch.randint(0, 12, (2, 10), dtype=torch.int32)  # the stored ids are the targets, drafted or not
+    _, ids, in_draft = row_draft_targets(final, rows, stored, t2d)
+    assert torch.equal(ids, stored.long()) and torch.equal(in_draft, t2d[stored.long()]) and not in_draft.all()
 
 
 def test_a_drafter_holding_the_draft_rows_trains_as_with_the_whole_head(tiny_verifier_dirs):
@@ -422,6 +425,21 @@ def test_a_drafter_holding_the_draft_rows_trains_as_with_the_whole_head(tiny_ver
     assert torch.equal(b.counts.correct, a.counts.correct) and torch.equal(b.counts.valid, a.counts.valid)
     for name, grad in ga.items():
         torch.testing.assert_close(gb[name], grad, rtol=1e-5, atol=1e-7)
+
+
+def test_draft_rows_under_bf16_autocast_give_the_whole_heads_targets(tiny_verifier_dirs):
+    """A bf16 verifier under bf16 autocast (the 8B recipes): the rows' log-probs within bf16 rounding of the whole
+    head's and the stored argmax (the verifier's, in its own dtype) the whole head's argmax under autocast."""
+    verifier = Verifier.from_pretrained(tiny_verifier_dirs["llama"], dtype="bfloat16")
+    drafter = make(verifier, 3)
+    feats = verifier.features(torch.randint(0, verifier.vocab_size, (2, T)), layer_ids=drafter.feature_layers)
+    feats = dataclasses.replace(feats, argmax=verifier.head_argmax(feats.final).long())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = drafter._draft_targets(dataclasses.replace(feats, argmax=None), 2, T)
+        drafter.hold_draft_rows(verifier)
+        rows = drafter._draft_targets(feats, 2, T)
+    torch.testing.assert_close(rows[0], whole[0], rtol=0, atol=1e-2)
+    assert torch.equal(rows[1], whole[1]) and torch.equal(rows[2], whole[2])
 
 
 def test_drafter_maps_and_lm_head_start_from_the_verifier(verifiers):

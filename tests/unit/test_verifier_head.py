@@ -95,11 +95,11 @@ def test_keep_head_rows_frees_the_other_rows_unless_tied(tmp_path, family, tied)
     H, V = head.hidden_size, head.vocab_size
     ids = torch.tensor([7, 3, V - 1, 40])
     rows = head.keep_head_rows(ids)
-    assert torch.equal(rows, whole[ids]) and torch.equal(head.lm_head_rows(ids), whole[ids])
-    assert head.holds_whole_head == tied  # a tied head is the embedding: nothing to free
-    if tied:
-        assert head.held_bytes() == 4 * (V * H + H)
+    assert head.holds_whole_head == tied and torch.equal(head.lm_head_rows(ids), whole[ids])
+    if tied:  # a tied head is the embedding: nothing to free, and no copy of the rows kept beside it
+        assert rows is None and head.held_bytes() == 4 * (V * H + H)
         return
+    assert torch.equal(rows, whole[ids])
     assert head.lm_head.weight.device.type == "meta"
     assert head.held_bytes() == 4 * (V * H + len(ids) * H + H)  # embedding, the 4 rows, norm
     assert torch.equal(head.lm_head_rows(torch.tensor([40, 7])), whole[[40, 7]])  # a subset, in any order
@@ -114,3 +114,8 @@ def test_head_argmax_is_the_argmax_of_the_logits_in_any_chunking(llama_dir):
     for chunk_bytes in (1, 7 * head.vocab_size * 4, 1 << 28):  # one position, 7 (a ragged tail), all at once
         got = head.head_argmax(final, chunk_bytes=chunk_bytes)
         assert got.dtype == torch.int32 and torch.equal(got.long(), want)
+    # a head with a bias (a remote-code family): its argmax counts the bias, and no row is freed
+    head.lm_head.bias = torch.nn.Parameter(torch.zeros(head.vocab_size).index_fill_(0, torch.tensor([5]), 1e4),
+                                           requires_grad=False)
+    assert (head.head_argmax(final) == 5).all()
+    assert head.keep_head_rows(torch.tensor([5, 6])) is None and head.holds_whole_head
