@@ -307,7 +307,7 @@ class Verifier(Placed, nn.Module):
                 "draftheads supports Llama-style decoders (Llama, Qwen2, Mistral, ...)"
             )
         self.decoder = decoder
-        self._head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (ids, rows) after keep_head_rows
+        self._kept_ids: torch.Tensor | None = None  # token ids of `kept_head_rows`, after keep_head_rows
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
@@ -416,12 +416,12 @@ class Verifier(Placed, nn.Module):
         head tied to the embedding, or one with a bias (its logits are not these rows' products alone)."""
         weight = self.lm_head.weight
         ids = ids.to(torch.long).flatten()
-        if self._head_rows is not None:
+        if self._kept_ids is not None:
             return self.lm_head_rows(ids)
         if weight.data_ptr() == self.embed_tokens.weight.data_ptr() or self.lm_head.bias is not None:
             return None
         rows = weight.detach()[ids.to(weight.device)].contiguous()
-        self._head_rows = (ids.cpu(), rows)
+        self._kept_ids = ids.cpu()
         self.register_buffer("kept_head_rows", rows, persistent=False)  # counted where the verifier's tensors are
         self.lm_head.weight = nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
         return rows
@@ -430,10 +430,10 @@ class Verifier(Placed, nn.Module):
         """(len(ids), H) the lm_head rows of token ids `ids` (1-D), from the whole head or the rows `keep_head_rows`
         kept (a row it freed is refused in one line)."""
         ids = ids.to(torch.long).flatten()
-        if self._head_rows is None:
+        if self._kept_ids is None:
             weight = self.lm_head.weight
             return weight.detach()[ids.to(weight.device)]
-        kept, rows = self._head_rows
+        kept, rows = self._kept_ids, self.kept_head_rows
         if torch.equal(kept, ids.cpu()):
             return rows
         where = {int(t): i for i, t in enumerate(kept.tolist())}
@@ -446,7 +446,7 @@ class Verifier(Placed, nn.Module):
     @property
     def holds_whole_head(self) -> bool:
         """False after `keep_head_rows` freed rows of lm_head: then nothing may compute lm_head(final) itself."""
-        return self._head_rows is None
+        return self._kept_ids is None
 
     def describe(self) -> dict:
         """What a drafter stores about its verifier (and checks on load)."""
@@ -567,9 +567,8 @@ class Verifier(Placed, nn.Module):
 
     def held_bytes(self) -> int:
         """Bytes of the weights and buffers this verifier holds in memory (meta tensors hold none; a tied tensor
-        counts once; the lm_head rows `keep_head_rows` kept count)."""
-        kept = [self._head_rows[1]] if self._head_rows is not None else []
-        tensors = {id(t): t for t in [*self.model.parameters(), *self.model.buffers(), *kept]}
+        counts once; the lm_head rows `keep_head_rows` kept count: a buffer of the verifier itself)."""
+        tensors = {id(t): t for t in [*self.parameters(), *self.buffers()]}
         return sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type != "meta")
 
 

@@ -460,17 +460,17 @@ def build_our_step(kind: str, cfg, verifier):
 
     from bench_train import autocast  # the trainers' mixed precision; the child runs as a script: its folder is on
     #                                   the path (scale_meter, bench_train, bench_peers)
-    from draftheads.train.features import cache_stores_argmax, feature_source
+    from draftheads.train.features import feature_source
     from draftheads.train.optim import build_optimizer
 
     if kind == "eagle":
         from draftheads.models.eagle import EagleTrainModule, build_drafter, count_tokens
+        from draftheads.train.eagle import hold_draft_rows
 
         counts = count_tokens(torch.randint(0, verifier.vocab_size, (1, 65536)), torch.ones(1, 65536, dtype=torch.long),
                               verifier.vocab_size)
         model = EagleTrainModule(build_drafter(verifier, cfg.eagle, token_counts=counts)).train()
-        if verifier.head_only and cache_stores_argmax(cfg):  # as train/eagle.py: the draft rows of lm_head only
-            model.drafter.hold_draft_rows(verifier)
+        hold_draft_rows(cfg, model.drafter, verifier)  # as train/eagle.py: offline, the draft rows of lm_head only
         features = feature_source(cfg, verifier, layer_ids=model.drafter.feature_layers)
 
         def forward(batch, feats):
@@ -763,7 +763,8 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
     if args.device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     if trainer.peer is None:
-        cache = build_cache(trainer, model, seq, rows, standin, args.tiny, work, args.device) if features == "offline" else None
+        cache = (build_cache(trainer, model, seq, rows, standin, args.tiny, work, args.device)
+                 if features == "offline" else None)
         spec.update(flags=our_flags(trainer, model, seq, features, standin, cache, args.tiny,
                                     bench.settings["precision"], work, optimizer_state),
                     config_class={"eagle": "draftheads.train.eagle:EagleRunConfig",

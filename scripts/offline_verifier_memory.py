@@ -105,7 +105,6 @@ def main() -> None:
         held = verifier.held_bytes()
         parts = {"embed_tokens": verifier.embed_tokens.weight, "lm_head": verifier.lm_head.weight,
                  "norm": verifier.norm.weight}
-        shape = tuple(verifier.lm_head.weight.shape)
         # EAGLE-3 on a cache that stores the verifier's argmax: its draft vocabulary's rows of lm_head only
         # (`Eagle3Drafter.hold_draft_rows`); which rows does not change the bytes
         verifier.keep_head_rows(torch.randperm(verifier.vocab_size)[:args.draft_vocab].sort().values)
@@ -116,13 +115,12 @@ def main() -> None:
     layers_real = SHAPES[args.model]["num_hidden_layers"]
     print(f"{args.model} shapes, bf16: stand-in with {args.layers} layers, {on_disk / GIB:.2f} GiB on disk")
     print(f"offline run holds {held / GIB:.3f} GiB of the verifier ("
-          + ", ".join(f"{k} {tuple(t.shape) if k != 'lm_head' else shape} "
-                      f"{t.numel() * t.element_size() / GIB:.3f}" for k, t in parts.items())
+          + ", ".join(f"{k} {tuple(t.shape)} {t.numel() * t.element_size() / GIB:.3f}" for k, t in parts.items())
           + f"); decoder-layer tensors held: "
           f"{sum(1 for n, p in verifier.model.named_parameters() if '.layers.' in n and p.device.type != 'meta')}")
     print(f"peak RSS growth over the load and one read of every held value: {grown / GIB:.3f} GiB")
     print(f"EAGLE-3 on a cache with the verifier's argmax holds {eagle3 / GIB:.3f} GiB (lm_head: its "
-          f"{args.draft_vocab} draft rows, {args.draft_vocab * shape[1] * 2 / GIB:.3f})")
+          f"{args.draft_vocab} draft rows, {verifier.kept_head_rows.nbytes / GIB:.3f})")
     print(f"the whole verifier ({layers_real} layers) would hold {whole_bytes / GIB:.2f} GiB")
 
 

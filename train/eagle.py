@@ -92,6 +92,15 @@ def step_metrics(out: EagleOutput) -> dict[str, torch.Tensor]:
     return {**metrics, **out.parts}
 
 
+def hold_draft_rows(cfg: EagleRunConfig, drafter, verifier) -> bool:
+    """An EAGLE-3 run on a feature cache that stores the verifier's argmax, holding the verifier head-only: the
+    cache's argmax stands in for the whole head, so the verifier keeps only the draft vocabulary's rows of lm_head
+    (`Eagle3Drafter.hold_draft_rows`). True when rows were freed."""
+    if cfg.eagle.version == 3 and verifier.head_only and cache_stores_argmax(cfg):
+        drafter.hold_draft_rows(verifier)
+    return not verifier.holds_whole_head
+
+
 def main(cfg: EagleRunConfig) -> dict:
     """Train, evaluate and export; returns the training summary stored in the export (main process)."""
     accelerator = build_accelerator(cfg)
@@ -116,11 +125,9 @@ def main(cfg: EagleRunConfig) -> dict:
         coverage = float(token_counts[drafter.t2d.cpu()].sum() / token_counts.sum().clamp(min=1))
         say(f"[eagle3] draft vocabulary {drafter.draft_vocab_size} of {verifier.vocab_size} tokens covers "
             f"{coverage:.1%} of the training targets")
-    if cfg.eagle.version == 3 and cfg.features == "offline" and verifier.head_only and cache_stores_argmax(cfg):
-        drafter.hold_draft_rows(verifier)  # the cache's argmax stands in for the whole head: the other rows are freed
-        if not verifier.holds_whole_head:
-            say(f"[eagle3] verifier lm_head: the draft vocabulary's {drafter.draft_vocab_size} rows held, the rest "
-                "freed (the feature cache stores the verifier's argmax)")
+    if hold_draft_rows(cfg, drafter, verifier):
+        say(f"[eagle3] verifier lm_head: the draft vocabulary's {drafter.draft_vocab_size} rows held, the rest "
+            "freed (the feature cache stores the verifier's argmax)")
     # the nulls as this version fills them (feature layers, mask token, noise; biases and sizes through the weights'
     # shapes): a continued run must agree (train/run_folder.py, record_resolved)
     record_run_resolved(accelerator, cfg, "eagle", {

@@ -25,8 +25,8 @@ from draftheads.models.eagle.losses import (
     HeadLoss,
     add_uniform_noise,
     chunked_draft_targets,
-    row_draft_targets,
     eagle1_loss,
+    row_draft_targets,
 )
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
 from draftheads.models.placed import Placed

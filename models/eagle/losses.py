@@ -60,6 +60,13 @@ def draft_targets(target_logits: torch.Tensor, d2t: torch.Tensor, t2d: torch.Ten
 TARGET_CHUNK_BYTES = 1 << 30
 
 
+def target_chunk(B: int, T: int, V: int, itemsize: int) -> int:
+    """Positions per chunk of a (B, T, V) target computation: equal chunks of at most TARGET_CHUNK_BYTES of
+    `itemsize`-byte logits, so that every product has the same shape."""
+    parts = -(-T * B * V * itemsize // TARGET_CHUNK_BYTES)
+    return -(-T // max(1, parts))
+
+
 def chunked_draft_targets(logits_at: Callable[[int, int], torch.Tensor], B: int, T: int, V: int, d2t: torch.Tensor,
                           t2d: torch.Tensor, itemsize: int = 2, chunk: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,9 +74,8 @@ def chunked_draft_targets(logits_at: Callable[[int, int], torch.Tensor], B: int,
     (B, e - s, V), `chunk` positions at a time (default: equal chunks of at most TARGET_CHUNK_BYTES of `itemsize`-byte
     logits), each chunk's results written into the (B, T, Vd) / (B, T) outputs. Equal to `draft_targets` of the
     whole, position by position (every operation is per position)."""
-    if chunk is None:  # equal chunks of at most TARGET_CHUNK_BYTES, so that every product has the same shape
-        parts = -(-T * B * V * itemsize // TARGET_CHUNK_BYTES)
-        chunk = -(-T // max(1, parts))
+    if chunk is None:
+        chunk = target_chunk(B, T, V, itemsize)
     logp = ids = in_draft = None
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
@@ -91,8 +97,7 @@ def row_draft_targets(final: torch.Tensor, rows: torch.Tensor, target_ids: torch
     B, T, _ = final.shape
     Vd = rows.shape[0]
     if chunk is None:
-        parts = -(-T * B * Vd * matmul_dtype(final, rows).itemsize // TARGET_CHUNK_BYTES)
-        chunk = -(-T // max(1, parts))
+        chunk = target_chunk(B, T, Vd, matmul_dtype(final, rows).itemsize)
     logp = None
     for s in range(0, T, chunk):
         e = min(T, s + chunk)
