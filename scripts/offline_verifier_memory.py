@@ -81,6 +81,9 @@ def main() -> None:
     parser.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3's draft vocabulary (default 32000)")
     parser.add_argument("--write", type=Path, help=argparse.SUPPRESS)  # the child process: write and exit
     args = parser.parse_args()
+    if not 1 <= args.draft_vocab <= SHAPES[args.model]["vocab_size"]:
+        parser.error(f"--draft-vocab {args.draft_vocab}: expected 1..{SHAPES[args.model]['vocab_size']} "
+                     f"({args.model}'s vocabulary)")
     if args.write:
         write_stand_in(args.model, args.layers, args.write)
         return
