@@ -31,6 +31,7 @@ Step weights: a chain of K draft steps sums w_k * loss_k.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -89,6 +90,50 @@ def soft_cross_entropy(draft_logits: torch.Tensor, target_p: torch.Tensor,
     if target_mass is None:
         target_mass = target_p.float().sum(-1)
     return _SoftCrossEntropy.apply(draft_logits, target_p, target_mass)
+
+
+def soft_cross_entropy_grad(draft_logits: torch.Tensor, target_p: torch.Tensor, target_mass: torch.Tensor,
+                            weight: torch.Tensor, out: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`soft_cross_entropy`'s per-position loss (...) and, at once, the gradient of sum(weight * loss) with respect to
+    the logits, weight * (softmax(logits) * sum(p) - p) (..., V): what its autograd backward gives for the upstream
+    `weight` (...), computed in place in one float32 copy of the logits (float64 for float64 ones), without a graph,
+    under autocast too. For a caller that needs the gradient right away (the EAGLE-3 head's backward in its
+    forward). out: a buffer of the logits' shape in that dtype to compute in (a caller looping over chunks reuses
+    one: a fresh (C, V) buffer a chunk costs the CPU its page faults, more than the arithmetic); the gradient is it."""
+    exact = torch.promote_types(draft_logits.dtype, torch.float32)  # float64 stays float64
+    if out is None:
+        out = torch.empty_like(draft_logits, dtype=exact)
+    x = out.copy_(draft_logits)
+    p = target_p.to(exact)
+    top = x.amax(-1, keepdim=True)
+    dot = _row_dot(p, x)
+    total = x.sub_(top).exp_().sum(-1, keepdim=True)  # x: exp(logits - max)
+    loss = (total.log() + top).squeeze(-1) * target_mass - dot
+    weight = weight.to(exact)
+    x.mul_((weight * target_mass)[..., None] / total)  # weight * sum(p) * softmax
+    return loss, x.addcmul_(p, weight[..., None], value=-1)
+
+
+#: Rows of the product a block of `_row_dot` holds at once.
+DOT_BLOCK_ELEMENTS = 1 << 21
+
+
+def _row_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) of (..., V) tensors (views of any strides) through one small product buffer reused over blocks
+    of rows, not a whole (..., V) product (elementwise, exact: no matmul, which autocast would run in bf16)."""
+    if a.dim() == 1:
+        return _row_dot(a[None], b[None])[0]
+    C, V = a.shape[-2:]
+    rows = max(1, min(C, DOT_BLOCK_ELEMENTS // max(V, 1)))
+    out = torch.empty(a.shape[:-1], dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
+    tmp = torch.empty(rows, V, dtype=out.dtype, device=a.device)
+    for lead in itertools.product(*(range(n) for n in a.shape[:-2])):
+        a1, b1, o1 = a[lead], b[lead], out[lead]  # (C, V), (C,)
+        for r in range(0, C, rows):
+            n = min(rows, C - r)
+            torch.sum(torch.mul(a1[r:r + n], b1[r:r + n], out=tmp[:n]), -1, out=o1[r:r + n])
+    return out
 
 
 class _SoftCrossEntropy(torch.autograd.Function):

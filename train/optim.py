@@ -7,6 +7,10 @@ norms, vectors) with AdamW, in one optimizer (`MuonAdamW`: one state dict, one s
 AdamW's size (`match_rms_adamw`), so `train.lr` serves both. `train.optimizer_state: bfloat16` keeps AdamW's two
 moments in bf16 (`CompactAdamW`, models/adamw.py): half the state, where it dominates the memory (DFlash's and
 Medusa's drafters at 8B shapes).
+
+AdamW runs torch's fused kernel where every parameter is a floating-point tensor on a CPU or CUDA device (the same
+update, one pass over each tensor: at Llama-3.1-8B shapes 0.3 against 2.4 CPU-seconds a step for 308M weights on two
+cores), else torch's default implementation.
 """
 
 from __future__ import annotations
@@ -37,11 +41,23 @@ def build_optimizer(param_groups, cfg: RunConfig) -> torch.optim.Optimizer:
                          weight_decay=cfg.train.weight_decay, ns_dtype=torch.bfloat16 if native else torch.float32)
     if isinstance(param_groups, torch.nn.Module):
         param_groups = [p for p in param_groups.parameters() if p.requires_grad]
+    param_groups = [{**g, "params": _tensors(g["params"])} if isinstance(g, dict) else g for g in param_groups]
     if cfg.train.optimizer_state == "bfloat16":
         return CompactAdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
                             weight_decay=cfg.train.weight_decay, seed=cfg.train.seed)
     return torch.optim.AdamW(param_groups, lr=cfg.train.lr, betas=tuple(cfg.train.betas),
-                             weight_decay=cfg.train.weight_decay)
+                             weight_decay=cfg.train.weight_decay, fused=fusable(param_groups) or None)
+
+
+def fusable(param_groups: list) -> bool:
+    """Whether torch's fused AdamW kernel takes these parameters (tensors or param-group dicts): each a floating-point
+    tensor on a CPU or CUDA device."""
+    params = [p for g in param_groups for p in (_tensors(g["params"]) if isinstance(g, dict) else [g])]
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+
+
+def _tensors(params) -> list[torch.Tensor]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
 
 
 def _native_bf16() -> bool:

@@ -32,7 +32,7 @@ from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
 from draftheads.models.placed import Placed
 from draftheads.models.eagle.ttt import ttt_attention
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
-from draftheads.models.lean_layer import cast_once, swiglu_mlp
+from draftheads.models.lean_layer import _autocast_dtype, cast_once, swiglu_mlp
 from draftheads.models.linear_loss import matmul_dtype
 
 
@@ -107,14 +107,18 @@ class EagleDrafter(Placed, nn.Module):
     def _qkv(self, x: torch.Tensor, position_ids: torch.Tensor):
         """q (B, nh, N, d), k and v (B, nkv, N, d); RoPE applied to q and k."""
         attn = self.layer.self_attn
-        B, N, _ = x.shape
         xq, xk, xv = cast_once(x, 3)  # under autocast one cast of x kept for the three backwards, not three
-        q = attn.q_proj(xq).view(B, N, -1, self.head_dim).transpose(1, 2)
-        k = attn.k_proj(xk).view(B, N, -1, self.head_dim).transpose(1, 2)
-        v = attn.v_proj(xv).view(B, N, -1, self.head_dim).transpose(1, 2)
+        return self._heads(attn.q_proj(xq), attn.k_proj(xk), attn.v_proj(xv), position_ids)
+
+    def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor):
+        """q (B, N, nh*d), k, v (B, N, nkv*d) as projected -> q (B, nh, N, d), k, v (B, nkv, N, d), RoPE applied."""
+        B, N, _ = q.shape
+        q = q.view(B, N, -1, self.head_dim).transpose(1, 2)
+        k = k.view(B, N, -1, self.head_dim).transpose(1, 2)
+        v = v.view(B, N, -1, self.head_dim).transpose(1, 2)
         rope = self._held.rotary_emb
-        if rope.inv_freq.device != x.device:
-            rope.to(x.device)  # moved, never cast: angles in fp32, cos/sin returned in v's dtype
+        if rope.inv_freq.device != v.device:
+            rope.to(v.device)  # moved, never cast: angles in fp32, cos/sin returned in v's dtype
         cos, sin = rope(v, position_ids)  # (B, N, d)
         q, k = self._apply_rope(q, k, cos, sin)
         return q, k, v
@@ -140,16 +144,22 @@ class EagleDrafter(Placed, nn.Module):
 
     # ---- inference API -------------------------------------------------------------------------------------------
     def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
-             attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+             embedded: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """One pass of the drafter layer over N new (token, hidden) pairs: the one computation that training (the
         TTT unroll), `forward` and the engine's cached drafter (draftheads.eval.drafters.eagle) all run.
 
         input_ids, position_ids (B, N); hidden (B, N, H) in the drafter's dtype. The cache is the caller's:
         `attend(q, k, v)` gets the new tokens' q (B, nh, N, d) and k, v (B, nkv, N, d), RoPE applied, stores k/v
         wherever it keeps them and returns the attention output over what it holds, heads merged (B, N, nh*d).
+        embedded (EAGLE-3's unroll): (the tokens' embedding half of q, k, v already projected (B, N, (nh+2nkv)d),
+        the hidden half's weight ((nh+2nkv)d, H), its bias or None), `shared_embedding`'s; input_ids then unread.
         Returns the layer's output (B, N, H)."""
-        x, residual = self._layer_input(self.embed(input_ids), hidden)
-        q, k, v = self._qkv(x, position_ids)
+        if embedded is None:
+            x, residual = self._layer_input(self.embed(input_ids), hidden)
+            q, k, v = self._qkv(x, position_ids)
+        else:
+            q, k, v, residual = self._qkv_embedded(hidden, position_ids, *embedded)
         return self._block(attend(q, k, v), residual)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -240,6 +250,7 @@ class EagleDrafter(Placed, nn.Module):
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
         checkpointed = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
+        shared = self.shared_embedding(input_ids, steps)  # EAGLE-3: the embedding half of q/k/v, once for all steps
         at = None  # the positions of `hidden`'s rows and of the chain's keys (None: the whole row)
         for k in range(steps):
             where = None if keep is None or k == 0 else keep[k]
@@ -250,7 +261,11 @@ class EagleDrafter(Placed, nn.Module):
             hidden = _rows(hidden, None if hidden.shape[1] == T else at, where, 1)  # P-EAGLE's mask rows: whole
             keys = [keys[0], *(_rows(x, at, where, 2) for x in keys[1:])] if keys else keys
             values = [values[0], *(_rows(x, at, where, 2) for x in values[1:])] if values else values
-            args = (ids_k, hidden, pos_k, documents, tuple(keys), tuple(values), where)
+            embedded = ()  # step k at stream position t reads token x_{t+1+k}: the shared row t + k
+            if shared is not None and (not self.parallel or k == 0):
+                rows = torch.arange(k, T + k, device=input_ids.device) if where is None else where + k
+                embedded = (shared[0][:, rows], *shared[1:])
+            args = (ids_k, hidden, pos_k, documents, tuple(keys), tuple(values), where, *embedded)
             if checkpointed:  # keep the step's inputs and outputs only; its layer pass runs again in the backward
                 hidden, kk, vv = checkpoint(self._ttt_step, *args, use_reentrant=False)
             else:
@@ -263,11 +278,13 @@ class EagleDrafter(Placed, nn.Module):
 
     def _ttt_step(self, input_ids: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                   documents: torch.Tensor | None, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...],
-                  where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  where: torch.Tensor | None = None, *embedded: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One TTT step's layer pass over the row, or its rows at the positions `where` (M,): (out (B, M, H), its
         keys, its values (B, nkv, M, d)), attending to the step-0 prefix causally (inside the document) plus each
         position's own chain, the earlier steps' keys and values given (the prefix's whole, the chain's at the same
-        rows). A function of its arguments alone, so that checkpointing can run it again."""
+        rows); `embedded`: `step`'s, the step's rows of the shared embedding projection (none: computed here). A
+        function of its arguments alone, so that checkpointing can run it again."""
         B, M = input_ids.shape
         kv = []
 
@@ -276,8 +293,15 @@ class EagleDrafter(Placed, nn.Module):
             out = ttt_attention(q, [*keys, k], [*values, v], documents, window=self.cfg.sliding_window, where=where)
             return out.transpose(1, 2).reshape(B, M, -1)
 
-        out = self.step(input_ids, hidden, position_ids, attend)
+        out = self.step(input_ids, hidden, position_ids, attend, embedded or None)
         return out, kv[0], kv[1]
+
+    def shared_embedding(self, input_ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...] | None:
+        """What the unroll's steps share of the layer's input projection, or None (EAGLE-1: nothing)."""
+        return None
+
+    def _qkv_embedded(self, hidden, position_ids, projected, weight, bias):
+        raise NotImplementedError
 
     def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor, k: int):
         """(token ids, hidden) that TTT step k reads at every stream position: x_{t+1+k} (zero past the end) and
@@ -494,6 +518,38 @@ class Eagle3Drafter(EagleDrafter):
     def _block(self, attn_out, residual):
         out = super()._block(attn_out, residual)
         return self.norm(out) if self.cfg.norm_output else out  # EAGLE 3.1: the next step reads the normed hidden
+
+    def shared_embedding(self, input_ids, steps):
+        """(projected (B, T+steps-1, (nh+2nkv)d), the hidden half's weight ((nh+2nkv)d, H), bias or None): the
+        attention input is [input_layernorm(embed(x)); hidden_norm(h)], so q, k and v are the embedding half's
+        product plus the hidden half's. Step k at stream position t reads token x_{t+1+k} (`_step_inputs`), which
+        step 0 reads at t + k: the embedding half is one product over the row (and the `steps` - 1 padded positions
+        after it) for every step, not one a step; its weight gradient one product too. The weights are cast to the
+        autocast dtype once for the unroll. None where the steps read other tokens (P-EAGLE's mask positions read
+        the plain path), and under DeepSpeed ZeRO-3, whose partitioned weights are whole only inside their module's
+        forward."""
+        attn, H = self.layer.self_attn, self.hidden_size
+        if any(hasattr(m.weight, "ds_id") for m in (attn.q_proj, attn.k_proj, attn.v_proj)):
+            return None
+        ids = F.pad(input_ids[:, 1:], (0, steps))  # x_{j+1} at stream index j; token 0 past the row, as _step_inputs
+        weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # (nh+2nkv)d, 2H
+        bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+        cast = _autocast_dtype(weight)  # under autocast: one cast for the unroll, as autocast's cached one
+        if cast is not None:
+            weight = weight.to(cast)
+        embeds = self.layer.input_layernorm(self.embed(ids))
+        return F.linear(embeds.to(weight.dtype), weight[:, :H]), weight[:, H:], bias
+
+    def _qkv_embedded(self, hidden, position_ids, projected, weight, bias):
+        """q, k, v (RoPE applied) and the residual from the hidden rows and the shared embedding projection's rows."""
+        if hidden.shape[-1] == self.fc.in_features:  # raw verifier features
+            hidden = self.project_features(hidden)
+        normed = self.layer.hidden_norm(hidden)
+        residual = normed if self.cfg.norm_before_residual else hidden
+        qkv = projected + F.linear(normed.to(weight.dtype), weight, bias)
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+        return (*self._heads(q, k, v.contiguous(), position_ids), residual)
 
     def _layer_input(self, embeds, hidden):
         if hidden.shape[-1] == self.fc.in_features:  # raw verifier features

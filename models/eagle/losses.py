@@ -3,6 +3,7 @@ per-step token loss with the draft head's backward done in the forward, chunked 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from typing import Callable
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, token_loss
+from draftheads.models.draft_losses import masked_mean, soft_cross_entropy, soft_cross_entropy_grad, token_loss
 from draftheads.models.linear_loss import matmul_dtype
 
 
@@ -145,7 +146,10 @@ class HeadLoss:
     Each step runs `chunk_rows` positions at a time: the chunk's logits, its loss and right away the loss's gradient
     with respect to the logits; from it the lm_head's gradient (accumulated over chunks and steps, scaled by the
     step weight), the gradient of the final norm's weight and of the chunk's hidden input. Only the last of these,
-    (B, R, H) per step, is kept until backward; the head's weight gradients are one buffer for all steps. Against
+    (B, R, H) per step, is kept until backward; the head's weight gradients are one buffer for all steps (the
+    lm_head's in the matmul dtype, each step's product added inside the GEMM, as autograd sums the steps' gradients
+    of autocast's one cast of the weight; float32 from backward on). forward_kl's loss and gradient are one
+    in-place pass over the chunk's float32 logits (`soft_cross_entropy_grad`). Against
     recomputing the head in backward (activation checkpointing) this saves one (R, H) x (H, Vd) matmul a chunk;
     against plain autograd, the (B, n, Vd) softmax of every step. A frozen lm_head gets no (Vd, H) product at all.
     The callers pass only the positions that are read (scored, or needed by a later step): a prompt's positions
@@ -173,10 +177,15 @@ class HeadLoss:
                        if p.requires_grad]
         self.norm_params = [p for p in self.params if p is not weight]  # the final norm's trained weight
         self.grads = {}  # id(param) -> fp32 gradient of sum_k w_k loss_k, accumulated
+        # the weight's, in blocks of GRAD_BLOCK_ROWS vocabulary rows in the matmul dtype: each step's product adds
+        # into its block inside the GEMM (as autograd sums the steps' gradients of autocast's cached cast: in bf16
+        # under bf16 autocast), no fp32 copy of a product; one float32 gradient made at backward, block by block
+        self.weight_blocks: list[torch.Tensor] = []
         self.inputs, self.input_grads = [], []  # the steps' hidden rows and their gradients
         self.total = None
         self.spent = False
         self._cast = None  # (dtype, the weight in it): one cast for every step of the batch
+        self._buffers = {}  # `_scratch`'s
 
     def step(self, hidden: torch.Tensor, target: torch.Tensor, token_weight: torch.Tensor,
              target_mass: torch.Tensor | None = None, rows: torch.Tensor | None = None, step_weight: float = 1.0,
@@ -208,9 +217,11 @@ class HeadLoss:
         argmax = torch.empty(B, R, dtype=torch.long, device=hidden.device)
         top = torch.empty(B, R, min(topk, self.weight.shape[0]), dtype=torch.long, device=hidden.device) \
             if topk > 1 else None
+        # the targets at the rows: a slice where they are consecutive (no copy of a (B, R, Vd) block), else gathered
+        start = 0 if rows is None else _run_start(rows)
         for a in range(0, R, chunk):
             b = min(a + chunk, R)
-            pick = slice(a, b) if rows is None else rows[a:b]
+            pick = slice(start + a, start + b) if start is not None else rows[a:b]
             tgt = target[:, pick]
             mass = target_mass[:, pick] if fused else None
             w_c = token_weight[:, a:b].float()
@@ -222,15 +233,27 @@ class HeadLoss:
                 # the norm's own forward, not the module call: global module hooks (FlopCounterMode's tracker) would
                 # hang backward hooks on this chunk's leaf, which the local autograd.grad below cannot run
                 normed = self.norm.forward(h) if self.norm is not None else h  # (B, C, H)
-                with torch.no_grad():
-                    logits = F.linear(normed.detach().to(mm), w_mm)  # (B, C, Vd), as autocast's linear
-                lg = logits.requires_grad_(grads)
-                if fused:
-                    per_position, alpha = soft_cross_entropy(lg, tgt, mass), None
+                with torch.no_grad():  # (B, C, Vd), as autocast's linear; into a buffer reused over the chunks
+                    x_mm = normed.detach().to(mm)
+                    logits = torch.mm(x_mm.flatten(0, 1), w_mm.T, out=self._scratch(
+                        "logits", (B * (b - a), w_mm.shape[0]), mm)).view(B, b - a, -1)
+                if fused and grads:  # the loss and its gradient in one pass, without a graph (the step weight in it)
+                    with torch.no_grad():
+                        exact = torch.promote_types(logits.dtype, torch.float32)
+                        per_position, g = soft_cross_entropy_grad(logits, tgt, mass, w_c * step_weight,
+                                                                  out=self._scratch("exact", logits.shape, exact))
+                        if g.dtype != mm:
+                            g = self._scratch("grad", g.shape, mm).copy_(g)
+                    piece, alpha = (w_c * per_position).sum(), None
                 else:
-                    per_position, alpha = token_loss(self.kind, lg, tgt, self.lk_eta)
-                piece = (w_c * per_position).sum()
-                g = torch.autograd.grad(piece, lg)[0].to(mm) if grads else None  # (B, C, Vd)
+                    lg = logits.requires_grad_(grads)
+                    if fused:
+                        per_position, alpha = soft_cross_entropy(lg, tgt, mass), None
+                    else:
+                        per_position, alpha = token_loss(self.kind, lg, tgt, self.lk_eta)
+                    piece = (w_c * per_position).sum()
+                    g = torch.autograd.grad(piece, lg)[0].to(mm).mul_(step_weight) if grads else None  # (B, C, Vd)
+                    del lg
             loss += piece.detach()
             if alpha is not None:
                 alpha_sum += (w_c * alpha).sum()
@@ -238,20 +261,18 @@ class HeadLoss:
                 argmax[:, a:b] = logits.max(-1).indices  # the first maximum, about 2x faster than argmax on a CPU
                 if top is not None:
                     top[:, a:b] = logits.topk(top.shape[-1], dim=-1).indices
-            del logits, lg, per_position, alpha
+            del logits, per_position, alpha
             if g is None:
                 continue
-            g = g.mul_(step_weight)
             flat_g = g.flatten(0, 1)  # (B*C, Vd)
-            if self.weight.requires_grad:  # (Vd, H), a block of vocabulary rows at a time into the fp32 sum
-                acc = self._acc(self.weight)
-                x_mm = normed.detach().to(mm).flatten(0, 1)  # (B*C, H)
-                for r in range(0, acc.shape[0], GRAD_BLOCK_ROWS):
+            if self.weight.requires_grad:  # (Vd, H), a block of vocabulary rows at a time, summed in the GEMM
+                x_mm = x_mm.flatten(0, 1)  # (B*C, H)
+                for i, r in enumerate(range(0, self.weight.shape[0], GRAD_BLOCK_ROWS)):
                     block = flat_g[:, r:r + GRAD_BLOCK_ROWS].T  # (rows, B*C)
-                    if mm == acc.dtype:
-                        acc[r:r + GRAD_BLOCK_ROWS].addmm_(block, x_mm)
+                    if i < len(self.weight_blocks):
+                        self.weight_blocks[i].addmm_(block, x_mm)
                     else:
-                        acc[r:r + GRAD_BLOCK_ROWS] += block @ x_mm
+                        self.weight_blocks.append(block @ x_mm)
             d_normed = g @ w_mm  # (B, C, H)
             del g, flat_g
             if self.norm is None:
@@ -308,6 +329,15 @@ class HeadLoss:
         """Positions a chunk: `chunk_rows`, else as many as keep one (B, C, Vd) fp32 buffer to CHUNK_BYTES."""
         return self.chunk_rows or max(1, CHUNK_BYTES // (4 * target.shape[-1] * max(B, 1)))
 
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of `shape` for the chunks' (B, C, Vd)-sized temporaries, one per name for the whole batch: the
+        chunks and steps reuse it (freed in `loss()`)."""
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != dtype:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype, device=self.weight.device)
+        return buffer[:numel].view(shape)
+
     def _acc(self, param: torch.Tensor) -> torch.Tensor:
         """The gradient sum of `param`, zeros at first: fp32 (fp64 for an fp64 parameter)."""
         acc = self.grads.get(id(param))
@@ -325,10 +355,18 @@ class HeadLoss:
         if self.plain is not None:
             return self.plain
         total = self.total if self.total is not None else self.weight.new_zeros((), dtype=torch.float32)
-        self._cast = None
-        if not (self.inputs or self.grads):
+        self._cast, self._buffers = None, {}
+        if not (self.inputs or self.grads or self.weight_blocks):
             return total
         return _HeadGradients.apply(self, total, *self.inputs, *self.params)
+
+
+def _run_start(rows: torch.Tensor) -> int | None:
+    """rows (R,) sorted distinct: rows[0] when they are consecutive (rows[0] .. rows[0] + R - 1), else None."""
+    if rows.numel() == 0:
+        return 0
+    first, last = rows[[0, -1]].tolist()
+    return first if last - first == rows.numel() - 1 else None
 
 
 def _as_is(t: torch.Tensor) -> torch.Tensor:
@@ -356,7 +394,22 @@ class _HeadGradients(torch.autograd.Function):
         inputs = [g.mul_(scale.to(g.dtype)) for g in head.input_grads]
         params = []
         for p in head.params:
-            acc = head.grads.pop(id(p), None)
+            acc = head.grads.pop(id(p), None) if p is not head.weight else _gathered(head.weight_blocks, p)
             params.append(None if acc is None else acc.mul_(scale).to(p.dtype))
         head.input_grads, head.inputs = [], []
         return (None, None, *inputs, *params)
+
+
+def _gathered(blocks: list[torch.Tensor], param: torch.Tensor) -> torch.Tensor | None:
+    """The weight's gradient from its row blocks, float32 (float64 for a float64 weight), each block freed once
+    copied (so the float32 gradient and the blocks are not all alive at once, on the CPU); None without blocks."""
+    if not blocks:
+        return None
+    grad = torch.empty_like(param, dtype=torch.promote_types(param.dtype, torch.float32))
+    r = 0
+    while blocks:
+        block = blocks.pop(0)
+        grad[r:r + block.shape[0]].copy_(block)
+        r += block.shape[0]
+        del block
+    return grad

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from draftheads.models.draft_losses import (STEP_WEIGHTS, TOKEN_LOSSES, acceptance, masked_mean, soft_cross_entropy,
+                                           soft_cross_entropy_grad,
                                            step_weights, token_loss)
 from draftheads.models.eagle import EagleConfig, EagleError, build_drafter
 from draftheads.models.verifier import Verifier
@@ -169,3 +170,9 @@ def test_soft_cross_entropy_is_forward_kl_in_value_and_gradient(dtype):
     assert fast_in.grad.dtype == dtype
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(fast_in.grad, ref_in.grad, **tol)
+    # the loss and the gradient at once, in place: the same numbers as the autograd pair, the logits untouched
+    before = logits.clone()
+    loss, grad = soft_cross_entropy_grad(logits, target_logp.exp(), target_logp.exp().sum(-1), weights)
+    assert torch.equal(logits, before) and grad.dtype == torch.float32 and loss.dtype == torch.float32
+    torch.testing.assert_close(loss, fast.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, fast_in.grad.float(), **tol)

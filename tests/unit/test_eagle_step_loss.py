@@ -222,7 +222,7 @@ def test_head_loss_equals_autograd_and_refuses_bad_shapes():
     weight = torch.randn(V, H, dtype=torch.float64, generator=g, requires_grad=True)
     hidden = [torch.randn(B, n, H, dtype=torch.float64, generator=g, requires_grad=True) for _ in range(2)]
     p = torch.softmax(torch.randn(B, n, V, dtype=torch.float64, generator=g), -1)
-    rows = [torch.tensor([1, 2, 5, 8]), torch.arange(4)]
+    rows = [torch.tensor([1, 2, 5, 8]), torch.arange(3, 7)]  # gathered; consecutive from 3 (a slice)
     masks = [torch.rand(B, n, generator=g) > 0.3 for _ in range(2)]
     head = HeadLoss(norm, weight, chunk_rows=3)
     for k, (h, r, m) in enumerate(zip(hidden, rows, masks)):
@@ -269,3 +269,28 @@ def test_a_zero3_partitioned_head_runs_as_modules_and_equals_the_loop(verifier, 
         assert torch.equal(a, b)
     for name, grad in ref_grads.items():
         torch.testing.assert_close(new_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_head_loss_under_bf16_autocast_equals_autograd_within_bf16_rounding():
+    """Under bf16 autocast the head's matmuls run in bf16 and the lm_head's gradient is summed over the steps in
+    bf16 blocks (as autograd sums the gradients of autocast's cached cast): the loss and every gradient equal
+    autograd's through autocast within bf16 rounding, and the weight's gradient comes back in float32."""
+    g = torch.Generator().manual_seed(0)
+    B, n, H, V = 2, 40, 64, 300
+    norm = torch.nn.RMSNorm(H, eps=1e-6)
+    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    hidden = [torch.randn(B, n, H, generator=g, requires_grad=True) for _ in range(3)]
+    p = torch.softmax(torch.randn(B, n, V, generator=g) * 2, -1)
+    rows = [torch.arange(n), torch.arange(2, n - 3), torch.tensor([0, 5, 6, 30])]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head = HeadLoss(norm, weight, chunk_rows=16)
+        for k, (h, r) in enumerate(zip(hidden, rows)):
+            head.step(h[:, r], p, torch.full((B, len(r)), 1.0 / (B * len(r))), p.sum(-1), r, step_weight=0.8 ** k)
+        got = torch.autograd.grad(head.loss(), [*hidden, weight, norm.weight])
+        want_loss = sum(0.8 ** k * soft_cross_entropy(torch.nn.functional.linear(norm(h[:, r]), weight),
+                                                      p[:, r]).mean() for k, (h, r) in enumerate(zip(hidden, rows)))
+        want = torch.autograd.grad(want_loss, [*hidden, weight, norm.weight])
+    assert got[3].dtype == torch.float32
+    for a, b in zip(got, want):
+        error = ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+        assert error < 2e-2, error
