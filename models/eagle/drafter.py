@@ -152,8 +152,9 @@ class EagleDrafter(Placed, nn.Module):
         input_ids, position_ids (B, N); hidden (B, N, H) in the drafter's dtype. The cache is the caller's:
         `attend(q, k, v)` gets the new tokens' q (B, nh, N, d) and k, v (B, nkv, N, d), RoPE applied, stores k/v
         wherever it keeps them and returns the attention output over what it holds, heads merged (B, N, nh*d).
-        embedded (EAGLE-3's unroll): (the tokens' embedding half of q, k, v already projected (B, N, (nh+2nkv)d),
-        the hidden half's weight ((nh+2nkv)d, H), its bias or None), `shared_embedding`'s; input_ids then unread.
+        embedded (EAGLE-3's unroll): (the embedding half of q, k, v already projected (B, S, (nh+2nkv)d), the rows
+        (N,) of it these tokens read, the hidden half's weight ((nh+2nkv)d, H), its bias or None),
+        `shared_embedding`'s; input_ids then unread.
         Returns the layer's output (B, N, H)."""
         if embedded is None:
             x, residual = self._layer_input(self.embed(input_ids), hidden)
@@ -250,7 +251,9 @@ class EagleDrafter(Placed, nn.Module):
         position_ids = self._default_positions(input_ids, position_ids)
         keys, values, outs = [], [], []
         checkpointed = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
-        shared = self.shared_embedding(input_ids, steps)  # EAGLE-3: the embedding half of q/k/v, once for all steps
+        # EAGLE-3: the embedding half of q/k/v once for all steps; not under checkpointing, which keeps a step's inputs
+        # only (the shared projection and its weight would be kept beside them)
+        shared = None if checkpointed else self.shared_embedding(input_ids, steps)
         at = None  # the positions of `hidden`'s rows and of the chain's keys (None: the whole row)
         for k in range(steps):
             where = None if keep is None or k == 0 else keep[k]
@@ -264,7 +267,7 @@ class EagleDrafter(Placed, nn.Module):
             embedded = ()  # step k at stream position t reads token x_{t+1+k}: the shared row t + k
             if shared is not None and (not self.parallel or k == 0):
                 rows = torch.arange(k, T + k, device=input_ids.device) if where is None else where + k
-                embedded = (shared[0][:, rows], *shared[1:])
+                embedded = (shared[0], rows, *shared[1:])
             args = (ids_k, hidden, pos_k, documents, tuple(keys), tuple(values), where, *embedded)
             if checkpointed:  # keep the step's inputs and outputs only; its layer pass runs again in the backward
                 hidden, kk, vv = checkpoint(self._ttt_step, *args, use_reentrant=False)
@@ -300,7 +303,7 @@ class EagleDrafter(Placed, nn.Module):
         """What the unroll's steps share of the layer's input projection, or None (EAGLE-1: nothing)."""
         return None
 
-    def _qkv_embedded(self, hidden, position_ids, projected, weight, bias):
+    def _qkv_embedded(self, hidden, position_ids, projected, rows, weight, bias):
         raise NotImplementedError
 
     def _step_inputs(self, input_ids: torch.Tensor, hidden: torch.Tensor, k: int):
@@ -540,13 +543,14 @@ class Eagle3Drafter(EagleDrafter):
         embeds = self.layer.input_layernorm(self.embed(ids))
         return F.linear(embeds.to(weight.dtype), weight[:, :H]), weight[:, H:], bias
 
-    def _qkv_embedded(self, hidden, position_ids, projected, weight, bias):
-        """q, k, v (RoPE applied) and the residual from the hidden rows and the shared embedding projection's rows."""
+    def _qkv_embedded(self, hidden, position_ids, projected, rows, weight, bias):
+        """q, k, v (RoPE applied) and the residual from the hidden rows and rows `rows` of the shared embedding
+        projection."""
         if hidden.shape[-1] == self.fc.in_features:  # raw verifier features
             hidden = self.project_features(hidden)
         normed = self.layer.hidden_norm(hidden)
         residual = normed if self.cfg.norm_before_residual else hidden
-        qkv = projected + F.linear(normed.to(weight.dtype), weight, bias)
+        qkv = projected[:, rows] + F.linear(normed.to(weight.dtype), weight, bias)
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
         return (*self._heads(q, k, v.contiguous(), position_ids), residual)

@@ -1,6 +1,7 @@
 """EAGLE-3's unroll projects the embedding half of q, k and v once for all TTT steps (`shared_embedding`): step k at
 stream position t reads the token step 0 reads at t + k. The loss and every gradient equal the step-by-step
-projection's (fp32, within 1e-5 relative), with packed rows, kept positions, checkpointing, qkv biases and P-EAGLE."""
+projection's (fp32, within 1e-5 relative), with packed rows, kept positions, qkv biases and P-EAGLE; under
+checkpointing the step-by-step path runs."""
 
 import pytest
 import torch
@@ -52,11 +53,37 @@ def test_shared_embedding_gives_the_same_loss_and_gradients(verifiers, family, v
     positions = PACKED if variant == "packed" else None
     loss, grads, projected = loss_and_grads(drafter, verifiers[family], positions, shared=True)
     loss_ref, grads_ref, projected_ref = loss_and_grads(drafter, verifiers[family], positions, shared=False)
-    # the step-by-step path calls q_proj once a step (twice with checkpointing); the shared one only for P-EAGLE's
-    # mask steps
-    assert projected_ref >= 4 and projected == (projected_ref - projected_ref // 4 if variant == "parallel" else 0)
+    # the step-by-step path calls q_proj once a step (twice with checkpointing, which keeps that path); the shared
+    # one only for P-EAGLE's mask steps
+    expected = {"parallel": projected_ref - projected_ref // 4, "checkpointed": projected_ref}.get(variant, 0)
+    assert projected_ref >= 4 and projected == expected
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=0)
     assert grads.keys() == grads_ref.keys() and len(grads) == len(list(drafter.parameters()))
     for name, grad in grads_ref.items():
         error = ((grads[name] - grad).abs().max() / grad.abs().max().clamp(min=1e-30)).item()
         assert error <= 1e-5, f"{name}: {error:.2e} relative"
+
+
+def test_checkpointed_steps_keep_no_copy_of_the_shared_projection(verifiers):
+    """Under checkpointing a step keeps its inputs only: the unroll keeps no more than the step-by-step projection's
+    (the shared projection and its weight would be kept beside them: checkpointing runs the plain path)."""
+    torch.manual_seed(0)
+    drafter = eagle.build_drafter(verifiers["llama"], EagleConfig(version=3, ttt_steps=4, draft_vocab_size=None,
+                                                                  checkpoint_layers=True)).train()
+    ids = torch.randint(3, 64, (2, T), generator=torch.Generator().manual_seed(1))
+    hidden = torch.randn(2, T, verifiers["llama"].hidden_size, requires_grad=True)
+
+    def kept() -> int:
+        storages = {}
+
+        def pack(x):
+            storages[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            drafter.ttt_unroll(ids, hidden)
+        return sum(storages.values())
+
+    shared = kept()
+    drafter.shared_embedding = lambda input_ids, steps: None
+    assert shared <= kept()
