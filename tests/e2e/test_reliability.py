@@ -730,7 +730,8 @@ CASES += [
     Case("data.seq_len below 8", [*TRAIN, "--data.seq_len=4"], r"data\.seq_len=4: expected at least 8"),
     # ---- the numerical guard
     Case("a learning rate whose update overflows float32", [*TRAIN, "--train.lr=1e38"],
-         r"step 1: the update overflows float32 .*stopping without checkpointing or exporting",
+         r"step 1: the update (overflows float32|made the drafter's weights non-finite).*stopping without "
+         r"checkpointing or exporting",  # torch's fused AdamW writes inf where the loop one raises
          check=no_drafter_written),
     Case("a learning rate that wrecks the weights (the losses turn NaN)", [*TRAIN, "--train.lr=1e20"],
          r"the run's last 2 step\(s\) had a non-finite loss; stopping without checkpointing or exporting",
