@@ -20,6 +20,7 @@ builds (the rows training sees):
                    `final` as stored, in the verifier's dtype (index.json `argmax: true`; version 2 caches have none)
     dflash         layers (N, L, T, H): the outputs of the target layers (`dflash.target_layer_ids`), stored as the
                    inputs of layers id + 1
+                   argmax int32 (N, T): as eagle3's (caches dumped before DFlash's stored it have none)
 
 A row's right padding (attention_mask 0, loss_mask 0) is never read as a feature: the drafter's attention is
 causal and its losses skip it. index.json records what it holds (`padding`): `joined`, the states of the pad tokens
@@ -29,8 +30,9 @@ run as part of the row's last document (what `dump-features` computes, either ba
 Logits are never stored: wherever a loss reads the verifier's distribution (Medusa `distill`, EAGLE-1's token loss,
 EAGLE-3's targets over the draft vocabulary), it is `lm_head(final)`, which the offline source recomputes with the
 verifier's own lm_head (the verifier is loaded, never run). That is exact, H values per token instead of V, and keeps
-the cache independent of the draft vocabulary chosen at training time. EAGLE-3 also reads the argmax over the whole
-vocabulary; stored (4 bytes a token), it lets a run hold only the draft vocabulary's rows of lm_head.
+the cache independent of the draft vocabulary chosen at training time. EAGLE-3 and DFlash also read the argmax over
+the whole vocabulary; stored (4 bytes a token), it lets an EAGLE-3 run hold only the draft vocabulary's rows of
+lm_head and spares a DFlash step the product of lm_head with every position its blocks score.
 
 Layout of a cache folder: `{split}-{i:05d}.safetensors` shards of `rows_per_shard` rows (split `train` or `eval`),
 each with a `{split}-{i:05d}.json` sidecar (rows, bytes, sha256) written after the shard was renamed into place

@@ -83,45 +83,64 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
     grad_x2 = torch.empty_like(x2) if grads and x2 is not None and x2.requires_grad else None
     grad_w2 = torch.zeros(weight2.shape, dtype=acc, device=weight2.device) \
         if grads and weight2 is not None and weight2.requires_grad else None
+    rows = min(chunk_rows, N)  # one (C, V) buffer in fp32 (and one in the matmul dtype) reused by every chunk:
+    V = weight.shape[0]
+    buf = torch.empty(rows, V, dtype=acc, device=x.device)  # a fresh one a chunk costs the CPU its page faults
+    buf_mm = torch.empty(rows, V, dtype=mm, device=x.device) if mm != acc else None
     with torch.autocast(x.device.type, enabled=False):  # dtypes are explicit below
         for start in range(0, N, chunk_rows):
             stop = min(start + chunk_rows, N)
+            n = stop - start
             x_c = x[start:stop].to(mm)  # (C, H)
             t_c, w_c = target[start:stop], token_weight[start:stop].to(acc)  # (C,)
-            logits = (x_c @ w_mm.T).to(acc)  # (C, V)
+            if buf_mm is None:
+                logits = torch.mm(x_c, w_mm.T, out=buf[:n])  # (C, V)
+            else:
+                logits = buf[:n].copy_(torch.mm(x_c, w_mm.T, out=buf_mm[:n]))
             if w2_mm is not None:
                 x2_c = x2[start:stop].to(mm)  # (C, r)
                 logits += (x2_c @ w2_mm.T).to(acc)
-            log_q = torch.log_softmax(logits, dim=-1)
-            ce = -log_q.gather(-1, t_c[:, None]).squeeze(-1)  # (C,)
-            ce_sum += (w_c * ce).sum()
-            total = ce_weight * ce
+            if max_rank or want_argmax:
+                top = logits.topk(max_rank, dim=-1).indices if max_rank > 1 else logits.argmax(-1, keepdim=True)
+                hits += ((top[:, :max_rank] == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
+                if want_argmax:
+                    argmax[start:stop] = top[:, 0]
             p = None
             if kl_weight:
+                log_q = torch.log_softmax(logits, dim=-1)
+                ce = -log_q.gather(-1, t_c[:, None]).squeeze(-1)  # (C,)
                 log_p = torch.log_softmax(teacher_logits[start:stop].to(acc), dim=-1)  # (C, V)
                 p = log_p.exp()
                 # where p underflows to 0 (or the teacher masks a token with -inf) the term is 0, not nan
                 kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (C,)
                 del log_p
                 kl_sum += (w_c * kl).sum()
-                total = total + kl_weight * kl
+                total = ce_weight * ce + kl_weight * kl
+                q = log_q.exp_()  # softmax, in log_q's memory
+            else:  # CE alone: softmax in place in the buffer, its log-sum-exp from the same pass
+                peak = logits.amax(-1, keepdim=True)
+                picked = logits.gather(-1, t_c[:, None])
+                q = logits.sub_(peak).exp_()  # (C, V) exp(logits - max): the softmax times `mass`
+                mass = q.sum(-1, keepdim=True)
+                ce = (mass.log() + peak - picked).squeeze(-1)  # (C,) log-sum-exp - the target's logit
+                total = ce_weight * ce
+            ce_sum += (w_c * ce).sum()
             loss += (w_c * total).sum()
-            if max_rank or want_argmax:
-                top = logits.topk(max_rank, dim=-1).indices if max_rank > 1 else logits.argmax(-1, keepdim=True)
-                hits += ((top[:, :max_rank] == t_c[:, None]) & (w_c > 0)[:, None]).sum(0)
-                if want_argmax:
-                    argmax[start:stop] = top[:, 0]
             if grad_x is None and grad_w is None and grad_x2 is None and grad_w2 is None:
                 continue
-            # d/dlogits of ce_weight·CE + kl_weight·KL = (ce_weight + kl_weight)·q − ce_weight·onehot − kl_weight·p
-            g = log_q.exp_().mul_(ce_weight + kl_weight)  # (C, V), reuses log_q's memory
-            del logits
-            g.scatter_add_(-1, t_c[:, None], torch.full_like(ce[:, None], -ce_weight))
-            if p is not None:
+            # d/dlogits of ce_weight·CE + kl_weight·KL = (ce_weight + kl_weight)·q − ce_weight·onehot − kl_weight·p,
+            # times w, in q's memory
+            if p is None:
+                g = q.mul_(w_c[:, None] * ce_weight / mass)  # (C, V): w·ce_weight·softmax
+                g.scatter_add_(-1, t_c[:, None], (w_c * -ce_weight)[:, None])
+            else:
+                g = q.mul_(ce_weight + kl_weight)
+                g.scatter_add_(-1, t_c[:, None], torch.full_like(ce[:, None], -ce_weight))
                 g.sub_(p, alpha=kl_weight)
                 del p
-            g.mul_(w_c[:, None])
-            g = g.to(mm)
+                g.mul_(w_c[:, None])
+            if buf_mm is not None:
+                g = buf_mm[:n].copy_(g)
             if grad_x is not None:
                 grad_x[start:stop] = (g @ w_mm).to(x.dtype)  # (C, H)
             if grad_w is not None:

@@ -24,7 +24,7 @@ at these shapes). `features: offline` reads a feature cache of random bf16 featu
 (data/hidden_states.py), written once per (model, trainer, seq) into `--work`, so no verifier forward runs.
 
 Each trainer runs its config at these shapes (`configs/<model>-eagle3.yaml`; eagle3-frozen: the same with
-speculators' settings, its lm_head frozen; P-EAGLE: the same with the parallel drafting of configs/peagle-tiny.yaml; DFlash: configs/qwen3-8b-dflash.yaml, 5 layers, block 16, 512 anchors;
+speculators' settings, its lm_head frozen; P-EAGLE: the same with the parallel drafting of configs/peagle-tiny.yaml; DFlash: configs/qwen3-8b-dflash.yaml, 5 layers, block 16, 512 anchors (--anchors);
 Medusa: configs/llama3-8b-medusa.yaml, 4 heads), batch 1, bf16 autocast where the device multiplies bf16 natively
 (else fp32, said in the table), AdamW (its moments in fp32, or with `--optimizer-state float32 bfloat16` also in bf16:
 train.optimizer_state, a row each), clipping: the trainer's own step (its drafter, loss and optimizer from its
@@ -184,7 +184,8 @@ ids only to check there are three; 0, 1, 2 are layers of the stand-in."""
 
 
 def our_flags(trainer: Trainer, model: str, seq: int, features: str, standin: Path, cache: Path | None,
-              tiny: bool, precision: str, work: Path, optimizer_state: str = "float32") -> list[str]:
+              tiny: bool, precision: str, work: Path, optimizer_state: str = "float32",
+              anchors: int | None = None) -> list[str]:
     """The config flags of one of our runs: the trainer's config at the stand-in, batch 1, this seq."""
     flags = ["--config", str(ROOT / trainer.config.format(model=model)), f"--verifier={standin}",
              f"--output_dir={work / 'unused-run'}", f"--data.seq_len={seq}", "--train.batch_size=1",
@@ -196,8 +197,8 @@ def our_flags(trainer: Trainer, model: str, seq: int, features: str, standin: Pa
         flags.append(f"--eagle.draft_vocab_size={TINY_DRAFT_VOCAB}")
     if trainer.kind == "dflash" and (model != "qwen3-8b" or tiny):
         flags.append("--dflash.mask_token_id=null")  # the config's id is a row of Qwen3's embedding
-    if trainer.kind == "dflash" and tiny:
-        flags.append(f"--dflash.num_anchors={TINY_ANCHORS}")
+    if trainer.kind == "dflash" and (tiny or anchors):
+        flags.append(f"--dflash.num_anchors={anchors or TINY_ANCHORS}")
     return flags
 
 
@@ -289,18 +290,18 @@ def feature_layers(trainer: Trainer) -> list[int]:
 
 def build_cache(trainer: Trainer, model: str, seq: int, rows: int, standin: Path, tiny: bool, work: Path,
                 device: str = "cpu") -> Path:
-    """A feature cache in our format (data/hidden_states.py) of random bf16 features for `rows` random rows (EAGLE-3:
-    with the stand-in's argmax of them, computed on `device`)."""
+    """A feature cache in our format (data/hidden_states.py) of random bf16 features for `rows` random rows (EAGLE-3
+    and DFlash: with the stand-in's argmax of them, computed on `device`)."""
     import torch
 
     from draftheads.data.hidden_states import FORMAT, VERSION, shard_name
     from draftheads.models.verifier import fingerprint_files
-    from draftheads.train.dump_features import _write_shard, write_index
+    from draftheads.train.dump_features import ARGMAX_METHODS, _write_shard, write_index
 
     config = json.loads((standin / "config.json").read_text())
     method = {"eagle": "eagle3", "dflash": "dflash", "medusa": "medusa"}[trainer.kind]
     layer_ids = feature_layers(trainer)
-    argmax = method == "eagle3"  # as `dump-features` writes an EAGLE-3 cache: the verifier's argmax stored
+    argmax = method in ARGMAX_METHODS  # as `dump-features` writes it: the verifier's argmax stored
     folder = work / f"cache-{standin.name}-{method}-{seq}x{rows}{'-argmax' if argmax else ''}"
     if (folder / "index.json").is_file():
         return folder
@@ -399,7 +400,7 @@ def specforge_data(config: dict, seq: int, rows: int, folder: Path, draft: int) 
 
 
 def peer_spec(kind: str, model: str, seq: int, rows: int, standin: Path, tiny: bool, work: Path, device: str,
-              run: Path, draft_layers: int | None = None) -> dict:
+              run: Path, draft_layers: int | None = None, anchors: int | None = None) -> dict:
     """What scripts/bench_scale_peer.py runs: the peer's own training command at the bench's settings (batch 1,
     one row of `seq` tokens per step, 7 TTT steps / block 16 and 512 anchors, AdamW, lr of our configs), on
     `rows` rows of random features written in its format."""
@@ -424,7 +425,7 @@ def peer_spec(kind: str, model: str, seq: int, rows: int, standin: Path, tiny: b
         else:  # the verifier's vocabulary (no draft vocabulary), as configs/qwen3-8b-dflash.yaml
             flags += ["--speculator-type", "dflash", "--num-layers", str(draft_layers or DFLASH_LAYERS_N),
                       "--target-layer-ids", *map(str, range(DFLASH_LAYERS_N)), "--block-size", str(DFLASH_BLOCK),
-                      "--max-anchors", str(TINY_ANCHORS if tiny else DFLASH_ANCHORS), "--lr", "6e-4"]
+                      "--max-anchors", str(anchors or (TINY_ANCHORS if tiny else DFLASH_ANCHORS)), "--lr", "6e-4"]
         return {"peer": "speculators", "flags": flags}
     import yaml
 
@@ -733,7 +734,8 @@ def settings_of(args) -> dict:
             "precision_note": ("bf16 autocast (CUDA)" if cuda else "bf16 autocast (this CPU multiplies bf16 natively)"
                                if bf16 else "fp32 (this CPU has no native bf16)"),
             "batch": 1, "torch": torch.__version__,
-            "cpu": platform_cpu() if not cuda else None}
+            "cpu": platform_cpu() if not cuda else None,
+            **({"dflash_anchors": args.anchors} if args.anchors else {})}
 
 
 def platform_cpu() -> str:
@@ -752,7 +754,8 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
     args, work = bench.args, bench.work
     trainer = TRAINERS[trainer_name]
     rows = args.warmup + args.steps
-    tag = f"{trainer_name}-{model}-{features}-{seq}" + ("" if optimizer_state == "float32" else f"-{optimizer_state}")
+    tag = (f"{trainer_name}-{model}-{features}-{seq}" + ("" if optimizer_state == "float32" else f"-{optimizer_state}")
+           + (f"-a{args.anchors}" if args.anchors and "dflash" in trainer.kind else ""))
     spec_path, report, log = work / f"{tag}.spec.json", work / f"{tag}.report.json", bench.out / "logs" / f"{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     spec = {"trainer": trainer_name, "kind": trainer.kind, "model": model, "seq": seq, "features": features,
@@ -766,7 +769,7 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
         cache = (build_cache(trainer, model, seq, rows, standin, args.tiny, work, args.device)
                  if features == "offline" else None)
         spec.update(flags=our_flags(trainer, model, seq, features, standin, cache, args.tiny,
-                                    bench.settings["precision"], work, optimizer_state),
+                                    bench.settings["precision"], work, optimizer_state, args.anchors),
                     config_class={"eagle": "draftheads.train.eagle:EagleRunConfig",
                                   "dflash": "draftheads.train.dflash:DFlashRunConfig",
                                   "medusa": "draftheads.train.medusa:MedusaRunConfig"}[trainer.kind])
@@ -777,7 +780,7 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
             return {"status": "error", "error": f"not run: {python.parent.parent.name} is missing "
                                                 "(bash scripts/setup_peers.sh)"}
         spec.update(peer_spec(trainer.kind, model, seq, rows, standin, args.tiny, work, args.device,
-                              work / f"{tag}.run", trainer.draft_layers))
+                              work / f"{tag}.run", trainer.draft_layers, args.anchors))
         cmd = [str(python), str(ROOT / "scripts" / "bench_scale_peer.py"), str(spec_path)]
         env.update(spec.pop("env", {}))
     spec_path.write_text(json.dumps(spec, indent=1))
@@ -893,7 +896,9 @@ def markdown(doc: dict) -> str:
         f"# Scale bench ({s['device']}{', tiny shapes' if s['tiny'] else ''})", "",
         *(f"    {c}" for c in commands), "",
         f"{where}; {s['precision_note']}; batch 1; {s['threads']} threads; {s['warmup']} warm-up step(s), then the "
-        f"median of {s['steps']}; torch {s['torch']}. Stand-ins: random weights with the model's shapes and only the "
+        f"median of {s['steps']}; torch {s['torch']}"
+        + (f"; DFlash: {s['dflash_anchors']} anchored blocks per row (ours and speculators')"
+           if s.get("dflash_anchors") else "") + ". Stand-ins: random weights with the model's shapes and only the "
         "layers the trainer reads (EAGLE-3 / P-EAGLE 3, DFlash 6, Medusa 1; see scripts/bench_scale.py): `online` "
         "runs those layers, not the model's 32 or 36, so its times and memory are a floor; `offline` reads random "
         "bf16 features from a cache. Peak: RSS of the trainer's process" + (" (CUDA: max_memory_allocated)"
@@ -949,12 +954,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=3600, help="seconds before a child is stopped")
     p.add_argument("--patience", type=float, default=1800,
                    help="seconds to wait for free memory before a big child; then the row is left for --reuse")
+    p.add_argument("--anchors", type=int,
+                   help="DFlash's anchored blocks per row, ours and speculators' (default: the config's 512; 16 with "
+                        "--tiny)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.tiny and not args.seqs:
         args.seqs = [64, 128]
-    for name, value in (("--steps", args.steps), ("--threads", args.threads)):
+    for name, value in (("--steps", args.steps), ("--threads", args.threads), ("--anchors", 1 if args.anchors is None else args.anchors)):
         if value < 1:
             p.error(f"{name}={value}: expected at least 1")
     if args.warmup < 0:

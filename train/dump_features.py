@@ -65,8 +65,9 @@ from draftheads.train.vllm_backend import VllmFeatures, aux_ids, start_capture
 #: its padding).
 PLAN_ADDED = {"backend": "hf", "padding": "joined", "argmax": False}
 #: Methods whose caches store the verifier's argmax over the whole vocabulary (data/hidden_states.py): EAGLE-3 reads
-#: it beside its draft vocabulary's logits, and with it a run holds only that vocabulary's rows of lm_head.
-ARGMAX_METHODS = ("eagle3",)
+#: it beside its draft vocabulary's logits, and with it a run holds only that vocabulary's rows of lm_head; DFlash
+#: scores its blocks against it instead of a (positions, V) product of lm_head a step.
+ARGMAX_METHODS = ("eagle3", "dflash")
 
 
 # ---- what a run needs ----------------------------------------------------------------------------------------------
@@ -172,14 +173,15 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
         verifier.check_document_mask()  # one short forward: refuse a model that would attend across documents
     layer_ids = layers_for(method, cfg, verifier)
     datasets = dict(zip(SPLITS, build_datasets(cfg.data, tokenizer, seed=cfg.train.seed)))
-    # a dump resumed from a version 2 plan (no argmax) goes on as one: its shards lack the argmax
+    # a resumed dump goes on as it started: a version 2 plan (no argmax) as one, a plan without the argmax (a DFlash
+    # cache begun before DFlash's stored it) without it: its shards lack the argmax
     old = bool(before) and before.get("version") == 2
     plan = {"format": FORMAT, "version": 2 if old else VERSION, "method": method, "verifier": verifier.describe(),
             "verifier_dtype": cfg.verifier_dtype, "layer_ids": layer_ids, "dtype": dtype,
             "seq_len": cfg.data.seq_len, "hidden_size": verifier.hidden_size, "rows_per_shard": rows_per_shard,
             "rows": {split: len(ds) for split, ds in datasets.items()}, "data": data_signature(cfg), "inputs": inputs,
             "backend": backend, "padding": padding,
-            "argmax": not old and method in ARGMAX_METHODS}
+            "argmax": bool(before.get("argmax")) if before else method in ARGMAX_METHODS}
     if before:
         was = {**PLAN_ADDED, **before}
         changed = [k for k in plan if k != "inputs" and was.get(k) != plan[k]]

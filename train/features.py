@@ -61,7 +61,7 @@ def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = 
         if return_logits:
             with torch.no_grad():
                 logits = verifier.lm_head(final)  # (B, T, V), as the online forward computes them
-        argmax = batch["argmax"].long() if "argmax" in batch else None  # (B, T), EAGLE-3 caches
+        argmax = batch["argmax"].long() if "argmax" in batch else None  # (B, T), EAGLE-3 and DFlash caches
         return VerifierFeatures(final=final, layers=layers, logits=logits, argmax=argmax)
 
     return features

@@ -469,9 +469,11 @@ class DFlashDrafter(Placed, nn.Module):
 
     @torch.no_grad()
     def _greedy_tokens(self, features, index: torch.Tensor) -> torch.Tensor:
-        """(B, M): the verifier's greedy next token at positions index (B, M), from features.logits or
-        lm_head(final), each distinct position once (the blocks of nearby anchors overlap) and a few positions'
+        """(B, M): the verifier's greedy next token at positions index (B, M), from the cache's argmax, features.logits
+        or lm_head(final), each distinct position once (the blocks of nearby anchors overlap) and a few positions'
         logits at a time."""
+        if features.argmax is not None:
+            return features.argmax.gather(1, index)
         if features.logits is not None:
             return features.logits.argmax(-1).gather(1, index)
         final = features.final  # (B, T, H)

@@ -150,8 +150,12 @@ def test_offline_features_train_the_same_drafter(tmp_path, verifier_dir):
                      "--train.save_every=0", "--train.eval_every=0")
     cfg = parse_config(DFlashRunConfig, args)
     dump(cfg, tmp_path / "cache", dtype="float32")
+    assert json.loads((tmp_path / "cache" / "index.json").read_text())["argmax"]  # the blocks are scored against it
     run(*args)
     run(*[a.replace("online", "offline") for a in args], "--features=offline", f"--feature_cache={tmp_path / 'cache'}")
+    scores = [[{k: v for k, v in r.items() if "acc" in k} for r in records(tmp_path / mode)]
+              for mode in ("online", "offline")]
+    assert scores[0] == scores[1] and any(scores[0])
     online = load_file(tmp_path / "online" / "drafter" / "model.safetensors")
     offline = load_file(tmp_path / "offline" / "drafter" / "model.safetensors")
     for key in online:

@@ -61,3 +61,23 @@ def test_static_memory_counts_frozen_parameters_as_weights_only():
     assert split["trainable_params"] == 15
     assert split["optimizer_bytes"] == 2 * 4 * 15 + 2 * 4  # two moments, and a step count per tensor
     assert split["static_bytes"] == split["weights_bytes"] + split["grads_bytes"] + split["optimizer_bytes"]
+
+
+def test_anchors_reach_our_dflash_and_speculators_alike(tmp_path, monkeypatch):
+    bench = bench_module()
+    monkeypatch.setattr(bench, "speculators_data", lambda *a: tmp_path / "data")  # the flags only, no features
+    ours = bench.TRAINERS["dflash-1layer"]
+    standin = tmp_path / "standin"
+    flags = bench.our_flags(ours, "qwen3-8b", 1024, "offline", standin, None, False, "bf16", tmp_path,
+                            anchors=128)
+    assert "--dflash.num_anchors=128" in flags
+    assert not any("num_anchors" in f for f in bench.our_flags(ours, "qwen3-8b", 1024, "offline", standin, None,
+                                                               False, "bf16", tmp_path))  # the config's 512
+    standin.mkdir()
+    (standin / "config.json").write_text('{"hidden_size": 64, "vocab_size": 128, "num_attention_heads": 4}')
+    spec = bench.peer_spec("speculators-dflash", "qwen3-8b", 1024, 2, standin, False, tmp_path, "cpu", tmp_path / "r",
+                           1, anchors=128)
+    flags = spec["flags"]
+    assert flags[flags.index("--max-anchors") + 1] == "128"
+    with pytest.raises(SystemExit):
+        bench.parse(["--anchors", "0"])

@@ -124,6 +124,32 @@ def test_loss_matches_slow_reference(verifier, loss):
     assert drafter.fc.weight.grad.abs().sum() > 0 and verifier.lm_head.weight.grad is None
 
 
+def test_a_stored_argmax_scores_the_blocks_as_lm_head_does(verifier):
+    """A cache's argmax (the verifier's greedy tokens) gives the counts lm_head(final) gives, and is what is read."""
+    from dataclasses import replace
+
+    drafter = make(verifier)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 12), generator=g)
+    loss_mask = torch.ones(2, 12, dtype=torch.long)
+    anchors = sample_anchors(loss_mask, 5, generator=g)
+    feats = verifier.features(ids, layer_ids=drafter.feature_layers)
+    stored = replace(feats, argmax=verifier.lm_head(feats.final).argmax(-1))
+    with torch.no_grad():
+        plain, cached = (drafter.training_loss(ids, f, loss_mask, anchors=anchors) for f in (feats, stored))
+        # a stored argmax that says the drafter's own tokens: its blocks now count as right
+        drafted = drafter.logits(drafter.anchored_hidden(ids, torch.cat(feats.layers, -1), *anchors)[:, :, 1:])
+        own = stored.argmax.clone()
+        index = (anchors[0][:, :, None] + torch.arange(N - 1)).clamp(max=11)  # (B, A, N-1): anchor + k
+        own.scatter_(1, index.flatten(1), drafted.argmax(-1).flatten(1))
+        other = drafter.training_loss(ids, replace(feats, argmax=own), loss_mask, anchors=anchors)
+    assert torch.equal(plain.loss, cached.loss)
+    fields = vars(plain.counts)
+    assert all(torch.equal(fields[k], vars(cached.counts)[k]) for k in fields)
+    assert torch.equal(plain.loss, other.loss)  # the data targets train; the argmax only scores
+    assert other.counts.correct.sum() > plain.counts.correct.sum()
+
+
 def test_block_targets_and_inputs():
     ids = torch.arange(10)[None] + 100
     loss_mask = torch.ones(1, 10, dtype=torch.long)
