@@ -110,7 +110,7 @@ def _chunks(x, weight, target, token_weight, teacher_logits, ce_weight, kl_weigh
                 log_q = torch.log_softmax(logits, dim=-1)
                 ce = -log_q.gather(-1, t_c[:, None]).squeeze(-1)  # (C,)
                 log_p = torch.log_softmax(teacher_logits[start:stop].to(acc), dim=-1)  # (C, V)
-                p = log_p.exp()
+                p = torch.exp(log_p, out=buf[:n])  # the logits are read: their buffer takes p
                 # where p underflows to 0 (or the teacher masks a token with -inf) the term is 0, not nan
                 kl = torch.where(p > 0, p * (log_p - log_q), 0.0).sum(-1)  # (C,)
                 del log_p

@@ -735,7 +735,8 @@ def settings_of(args) -> dict:
                                if bf16 else "fp32 (this CPU has no native bf16)"),
             "batch": 1, "torch": torch.__version__,
             "cpu": platform_cpu() if not cuda else None,
-            **({"dflash_anchors": args.anchors} if args.anchors else {})}
+            **({"dflash_anchors": args.anchors}
+               if args.anchors and any("dflash" in TRAINERS[t].kind for t in args.trainers) else {})}
 
 
 def platform_cpu() -> str:
@@ -755,7 +756,7 @@ def measure(bench: Bench, trainer_name: str, model: str, features: str, seq: int
     trainer = TRAINERS[trainer_name]
     rows = args.warmup + args.steps
     tag = (f"{trainer_name}-{model}-{features}-{seq}" + ("" if optimizer_state == "float32" else f"-{optimizer_state}")
-           + (f"-a{args.anchors}" if args.anchors and "dflash" in trainer.kind else ""))
+           + (f"-a{args.anchors}" if bench.settings.get("dflash_anchors") and "dflash" in trainer.kind else ""))
     spec_path, report, log = work / f"{tag}.spec.json", work / f"{tag}.report.json", bench.out / "logs" / f"{tag}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     spec = {"trainer": trainer_name, "kind": trainer.kind, "model": model, "seq": seq, "features": features,
@@ -962,7 +963,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.tiny and not args.seqs:
         args.seqs = [64, 128]
-    for name, value in (("--steps", args.steps), ("--threads", args.threads), ("--anchors", 1 if args.anchors is None else args.anchors)):
+    for name, value in (("--steps", args.steps), ("--threads", args.threads),
+                        ("--anchors", 1 if args.anchors is None else args.anchors)):
         if value < 1:
             p.error(f"{name}={value}: expected at least 1")
     if args.warmup < 0:

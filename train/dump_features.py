@@ -189,6 +189,9 @@ def dump(cfg, out: str | os.PathLike, method: str | None = None, dtype: str = "b
             k = changed[0]
             raise CacheError(f"{plan_path}: this cache was started with {k}={was.get(k)!r}, this dump has "
                              f"{k}={plan[k]!r}; use a new --out folder or delete {folder}")
+        if method in ARGMAX_METHODS and not plan["argmax"] and main:
+            say(f"[dump] {folder}: begun by an older version without the verifier's argmax, it goes on without it "
+                "(a run on it computes the argmax from lm_head a step); a new --out folder stores it")
     if backend == "vllm":
         from draftheads.eval.interop.vllm_peer import vllm_python
 

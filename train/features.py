@@ -42,7 +42,7 @@ def offline_features(verifier, folder, layer_ids: list[int] | tuple[int, ...] = 
                      ) -> FeatureSource:
     """A source that reads each batch's features from the hidden-state cache (`data.hidden_states`): batches come
     from its loader (`train.loaders.get_dataloaders` with features=offline) with `final` (B, T, H) and `layers`
-    (B, L, T, H) attached, and `argmax` (B, T) where the cache stored the verifier's (EAGLE-3). The verifier is
+    (B, L, T, H) attached, and `argmax` (B, T) where the cache stored the verifier's (EAGLE-3, DFlash). The verifier is
     never run: only its lm_head, for the logits, which are lm_head(final)."""
     from draftheads.data.hidden_states import check_verifier, read_index
 
@@ -78,8 +78,8 @@ def feature_source(cfg: RunConfig, verifier, layer_ids: list[int] | tuple[int, .
 
 
 def cache_stores_argmax(cfg: RunConfig) -> bool:
-    """Whether the run reads cached features that store the verifier's argmax (EAGLE-3 caches dumped by this
-    version): the run may then hold only its draft vocabulary's rows of lm_head."""
+    """Whether the run reads cached features that store the verifier's argmax (EAGLE-3 and DFlash caches dumped by
+    this version): an EAGLE-3 run may then hold only its draft vocabulary's rows of lm_head."""
     if cfg.features != "offline":
         return False
     from draftheads.data.hidden_states import read_index

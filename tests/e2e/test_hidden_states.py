@@ -153,7 +153,9 @@ def test_an_eagle3_cache_without_the_argmax_still_trains_and_resumes_without_it(
     assert_same_losses(losses(tmp_path / "run-new"), losses(tmp_path / "run-old"))
     (old / "index.json").unlink()
     (old / "train-00001.json").unlink()
-    assert dump(cfg, old, dtype="float32", rows_per_shard=8, say=quiet).written == ["train-00001.safetensors"]
+    said = []
+    assert dump(cfg, old, dtype="float32", rows_per_shard=8, say=said.append).written == ["train-00001.safetensors"]
+    assert any("without the verifier's argmax, it goes on without it" in line for line in said), said
     assert read_index(old)["version"] == 2 and not read_index(old).get("argmax")
     assert "argmax" not in load_file(old / "train-00001.safetensors")
     verify_shards(old, read_index(old), check_hash=True)
