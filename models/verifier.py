@@ -292,6 +292,9 @@ class Verifier(Placed, nn.Module):
     head_only: bool = False
     """True when only the embedding, lm_head and final norm were loaded (`load_head`): the layers are on the meta
     device and nothing that runs them works."""
+    embedding_held_apart: bool = False
+    """True when `load_head` read the token embedding onto another device than the rest (host memory beside a
+    GPU): read its rows with `models.placed.embedding_rows`."""
 
     def __init__(self, model: nn.Module, name: str | None = None, fingerprint: str | None = None,
                  path: Path | None = None):
@@ -337,11 +340,17 @@ class Verifier(Placed, nn.Module):
     @classmethod
     def load_head(cls, name_or_path: str | os.PathLike, dtype: str | torch.dtype | None = None,
                   device: str | torch.device | None = None, trust_remote_code: bool = False,
-                  layers: list[int] | tuple[int, ...] = ()) -> "Verifier":
+                  layers: list[int] | tuple[int, ...] = (),
+                  embedding_device: str | torch.device | None = None) -> "Verifier":
         """The verifier as training on cached features reads it: the token embedding, lm_head and final norm
         (and the decoder layers `layers`, e.g. to start a drafter's layers from) read from the safetensors files,
         the rest of the model on the meta device. Same name, config and fingerprint as `from_pretrained`'s; the
-        tensors it holds are equal to that model's (read in `dtype`, default: as stored, on `device`)."""
+        tensors it holds are equal to that model's (read in `dtype`, default: as stored, on `device`).
+
+        `embedding_device` (e.g. "cpu" while `device` is a GPU): where the token embedding is read to instead, as
+        the drafters read only the rows of a step's tokens from it (`models.placed.embedding_rows`); `device` then
+        answers where the rest is. Ignored for an embedding tied to lm_head, which the head's products need on
+        `device` (`embedding_held_apart` says which)."""
         from transformers import AutoModelForCausalLM
 
         folder = resolve_verifier(name_or_path)
@@ -352,12 +361,26 @@ class Verifier(Placed, nn.Module):
                                                      **({"dtype": dtype} if dtype is not None else {}))
         verifier = cls(model, name=str(name_or_path), fingerprint=_folder_fingerprint(folder), path=folder)
         verifier.check_layer_ids(list(layers), key="layers")
-        modules = [verifier.embed_tokens, verifier.lm_head, verifier.norm, *(verifier.layers[i] for i in layers)]
-        _load_modules(model, modules, folder, dtype, torch.device(device) if device is not None else None)
+        device = torch.device(device) if device is not None else None
+        apart = (embedding_device is not None and torch.device(embedding_device) != (device or torch.device("cpu"))
+                 and verifier.embed_tokens.weight is not verifier.lm_head.weight)
+        modules = [verifier.lm_head, verifier.norm, *(verifier.layers[i] for i in layers)]
+        if apart:
+            _load_modules(model, [verifier.embed_tokens], folder, dtype, torch.device(embedding_device))
+        else:
+            modules.append(verifier.embed_tokens)
+        _load_modules(model, modules, folder, dtype, device)
         verifier.head_only = True
+        verifier.embedding_held_apart = apart
         return verifier
 
     # ---- handles -------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where the verifier computes: its embedding's device, or the final norm's where the embedding is held
+        apart (`load_head`'s `embedding_device`)."""
+        return (self.norm if self.embedding_held_apart else self.embed_tokens).weight.device
+
     @property
     def config(self):
         return self.model.config

@@ -555,7 +555,9 @@ def child(spec_path: str) -> int:
     from scale_meter import tensor_bytes
 
     moment = {"float32": None, "bfloat16": 2}[cfg.train.optimizer_state]
-    expected = (tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())])
+    # on a GPU what the device holds (the verifier's embedding may stay in host memory: verifier_embedding)
+    expected = (tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())
+                                 if t.device.type == device.type])
                 + sum(p.numel() * (p.element_size() + 2 * (moment or p.element_size())) for p in trainable))
     extra = {"trainable_params": sum(p.numel() for p in trainable), "static_expected_bytes": expected,
              "tokens_per_step": cfg.data.seq_len}

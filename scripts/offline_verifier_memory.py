@@ -8,8 +8,9 @@ Writes a random-weight stand-in with the model's hidden size, heads, intermediat
 folder, in a child process, then loads it as the trainers do for offline features (`Verifier.load_head`, what
 `train.placement.load_verifier` calls) and prints the bytes the verifier holds, this process's peak RSS growth over
 the load and one read of every value held, what an EAGLE-3 run on a cache that stores the verifier's argmax holds (the
-draft vocabulary's rows of lm_head only) and what the whole verifier with all its layers would hold (counted on the
-meta device, never loaded).
+draft vocabulary's rows of lm_head only), what a GPU holds of it when the token embedding stays in host memory
+(`verifier_embedding: auto`; counted from the tensors, as no GPU loads it here) and what the whole verifier with all
+its layers would hold (counted on the meta device, never loaded).
 Disk: about 3 GB for the stand-in, removed at the end.
 """
 
@@ -124,6 +125,9 @@ def main() -> None:
     print(f"peak RSS growth over the load and one read of every held value: {grown / GIB:.3f} GiB")
     print(f"EAGLE-3 on a cache with the verifier's argmax holds {eagle3 / GIB:.3f} GiB (lm_head: its "
           f"{args.draft_vocab} draft rows, {verifier.kept_head_rows.nbytes / GIB:.3f})")
+    table = parts["embed_tokens"].numel() * parts["embed_tokens"].element_size()
+    print(f"on a GPU (verifier_embedding: auto, the table in host memory) the device holds "
+          f"{(held - table) / GIB:.3f} GiB of it, EAGLE-3 with the argmax {(eagle3 - table) / GIB:.3f}")
     print(f"the whole verifier ({layers_real} layers) would hold {whole_bytes / GIB:.2f} GiB")
 
 

@@ -63,17 +63,22 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
-def memory_split(modules, optimizers) -> dict:
+def memory_split(modules, optimizers, device_type: str | None = None) -> dict:
     """Bytes of what does not grow with the tokens: every parameter and buffer of `modules` and every parameter of
     `optimizers` (shared storages once), the gradients of the parameters that have one (called after the optimizer
-    step, before zero_grad frees them) and the optimizers' state."""
+    step, before zero_grad frees them) and the optimizers' state; with `device_type` ("cuda") only the tensors
+    there, as the peak it is taken from counts only them (a verifier's embedding may stay in host memory)."""
     grouped = list({id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}.values())
     # what trains: a peer may hand its optimizer frozen parameters too (speculators: the embedding), which get
     # neither gradients nor state
     trainable = [p for p in grouped if p.grad is not None] or [p for p in grouped if p.requires_grad]
-    held = [t for m in modules for t in (*m.parameters(), *m.buffers())] + grouped
-    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if hasattr(v, "untyped_storage")]
-    weights, grads, optimizer = tensor_bytes(held), sum(p.numel() * p.element_size() for p in trainable), \
+    def there(tensors):
+        return [t for t in tensors if device_type is None or t.device.type == device_type]
+
+    held = there([t for m in modules for t in (*m.parameters(), *m.buffers())] + grouped)
+    state = there([v for opt in optimizers for s in opt.state.values() for v in s.values()
+                   if hasattr(v, "untyped_storage")])
+    weights, grads, optimizer = tensor_bytes(held), sum(p.numel() * p.element_size() for p in there(trainable)), \
         tensor_bytes(state)
     return {"weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": optimizer,
             "static_bytes": weights + grads + optimizer, "trainable_params": sum(p.numel() for p in trainable)}
@@ -124,7 +129,10 @@ class StepMeter:
         if self.calls % self.per_step:
             return  # another optimizer of the same training step
         if self.split is None:
-            self.split = memory_split(self.modules, list(self.optimizers.values()))
+            import torch
+
+            on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            self.split = memory_split(self.modules, list(self.optimizers.values()), "cuda" if on_cuda else None)
         self.mark()
 
     def mark(self) -> None:

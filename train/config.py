@@ -178,6 +178,10 @@ class RunConfig:
     """`online`: run the frozen verifier inside each step; `offline`: read the hidden-state cache."""
     feature_cache: str | None = None
     """Folder of the offline hidden-state cache (with features: offline)."""
+    verifier_embedding: Literal["auto", "device", "host"] = "auto"
+    """Where an offline run keeps the verifier's token embedding (a step reads only its tokens' rows): `host`
+    memory, `device` memory, or `auto`: host when training on an accelerator, so a GPU holds lm_head and the final
+    norm alone. An embedding tied to lm_head stays with the head. Online runs keep it with the verifier's layers."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The optimisation loop."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -200,6 +204,9 @@ class RunConfig:
                 raise ConfigError(f"{key}={value!r}: expected a folder path")
         if self.features == "offline" and not self.feature_cache:
             raise ConfigError("features=offline needs feature_cache: the folder written by `draftheads dump-features`")
+        if self.verifier_embedding == "host" and self.features != "offline":
+            raise ConfigError("verifier_embedding=host needs features=offline: an online run runs the verifier's "
+                              "layers, which read the embedding on the device (set verifier_embedding=auto or device)")
 
 
 

@@ -47,7 +47,8 @@ def load_verifier(cfg: RunConfig, device, accelerator=None, head_only: bool = Fa
     if head_only or (accelerator is not None and cfg.features == "offline"):
         layers = getattr(getattr(cfg, "dflash", None), "init_layers", None) or ()  # copied into the drafter
         verifier = Verifier.load_head(cfg.verifier, dtype=cfg.verifier_dtype, device=device,
-                                      trust_remote_code=cfg.trust_remote_code, layers=sorted(set(layers)))
+                                      trust_remote_code=cfg.trust_remote_code, layers=sorted(set(layers)),
+                                      embedding_device=embedding_device(cfg, device))
     else:
         verifier = _whole(cfg, device, accelerator)
     check_tokenizer_files(verifier.path)
@@ -68,6 +69,15 @@ def load_verifier(cfg: RunConfig, device, accelerator=None, head_only: bool = Fa
             f"tokenizer of {str(verifier.path)!r} has {len(tokenizer)} tokens but the verifier's vocab_size is "
             f"{verifier.vocab_size}; the tokenizer does not belong to this model")
     return verifier, tokenizer
+
+
+def embedding_device(cfg: RunConfig, device) -> str | None:
+    """Where a head-only verifier's token embedding is read (`cfg.verifier_embedding`): "cpu" to keep it in host
+    memory, None for beside lm_head on `device`."""
+    on_accelerator = torch.device(device).type != "cpu"
+    if cfg.verifier_embedding == "host" or (cfg.verifier_embedding == "auto" and on_accelerator):
+        return "cpu"
+    return None
 
 
 def _whole(cfg: RunConfig, device, accelerator=None):

@@ -65,7 +65,7 @@ from draftheads.models.dflash.config import DFlashConfig, DFlashError, DFlashWar
 from draftheads.models.dflash.layer import Attend, DecoderLayer, RMSNorm, rope_cos_sin
 from draftheads.models.dflash.dspark import ConfidenceHead, MarkovHead, markov_chain
 from draftheads.models.dflash.losses import confidence_loss, dflash_loss, dpace_loss, token_overlap
-from draftheads.models.placed import Placed
+from draftheads.models.placed import Placed, embedding_rows
 from draftheads.models.eagle.layer import norm_scale, normal_init
 from draftheads.models.eagle.metrics import EagleOutput, step_counts
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab, target_to_draft
@@ -212,7 +212,7 @@ class DFlashDrafter(Placed, nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """(B, N) -> (B, N, H): the verifier's embedding rows (frozen), in the drafter's dtype."""
         with torch.no_grad():
-            return F.embedding(input_ids, self._need_verifier().embed_tokens.weight).to(self.dtype)
+            return embedding_rows(self._need_verifier().embed_tokens.weight, input_ids).to(self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(..., H) -> (..., V): the verifier's lm_head, or the drafter's own (draft_logits) placed at its tokens'

@@ -29,7 +29,7 @@ from draftheads.models.eagle.losses import (
     row_draft_targets,
 )
 from draftheads.models.eagle.metrics import EagleOutput, StepCounts, step_counts
-from draftheads.models.placed import Placed
+from draftheads.models.placed import Placed, embedding_rows
 from draftheads.models.eagle.ttt import ttt_attention
 from draftheads.models.eagle.vocab import draft_to_target, maps_problem, select_draft_vocab
 from draftheads.models.lean_layer import _autocast_dtype, cast_once, swiglu_mlp
@@ -97,7 +97,7 @@ class EagleDrafter(Placed, nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # frozen, shared with the verifier; the table itself, as the engines read it (a
             # family that scales its embeddings in the module, Gemma, is not scaled here: vLLM scales in the model)
-            return F.embedding(input_ids, self.token_embedding).to(self.dtype)
+            return embedding_rows(self.token_embedding, input_ids).to(self.dtype)
 
     # ---- the layer -----------------------------------------------------------------------------------------------
     def _layer_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ from draftheads.models.layouts.mtp_checkpoint import MTP_PARTS, SHARED_COPIES, M
     split_experts
 from draftheads.models.linear_loss import linear_loss
 from draftheads.models.mtp.config import MtpConfig, MtpError
+from draftheads.models.placed import embedding_rows
 
 
 @dataclass
@@ -144,7 +145,7 @@ class MtpDrafter(nn.Module):
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         table = self.own_embed if self.own_embed is not None else self._verifier.embed_tokens.weight
-        return F.embedding(tokens, table)
+        return embedding_rows(table, tokens)
 
     def attention_mask(self, position_ids: torch.Tensor) -> torch.Tensor | None:
         """None when every row is one document and the block's attention is causal by itself (sdpa); else an

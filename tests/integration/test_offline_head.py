@@ -54,7 +54,7 @@ def test_offline_run_holds_no_layer_and_trains_as_with_the_whole_verifier(tmp_pa
     assert verifier.held_bytes() == 4 * (V * H + 100 * H + H)  # fp32: embedding, 100 draft rows, norm; no layer
 
     # The path before: the whole verifier loaded for an offline run.
-    def whole(cls, name, dtype=None, device=None, trust_remote_code=False, layers=()):
+    def whole(cls, name, dtype=None, device=None, trust_remote_code=False, layers=(), embedding_device=None):
         return cls.from_pretrained(name, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
 
     monkeypatch.setattr(Verifier, "load_head", classmethod(whole))

@@ -61,6 +61,10 @@ def test_static_memory_counts_frozen_parameters_as_weights_only():
     assert split["trainable_params"] == 15
     assert split["optimizer_bytes"] == 2 * 4 * 15 + 2 * 4  # two moments, and a step count per tensor
     assert split["static_bytes"] == split["weights_bytes"] + split["grads_bytes"] + split["optimizer_bytes"]
+    # on a GPU only what the device holds counts (a verifier embedding kept in host memory does not)
+    assert meter.memory_split([model, model[1]], [optimizer], "cpu") == split
+    elsewhere = meter.memory_split([model, model[1]], [optimizer], "cuda")
+    assert elsewhere["static_bytes"] == 0 and elsewhere["trainable_params"] == 15
 
 
 def test_anchors_reach_our_dflash_and_speculators_alike(tmp_path, monkeypatch):

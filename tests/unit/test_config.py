@@ -2,6 +2,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from draftheads.train.config import ConfigError, RunConfig, parse_config, save_config
@@ -60,6 +61,17 @@ def test_invariants_are_checked():
         parse_config(ToyRun, ["--train.max_steps=0"])
     with pytest.raises(ConfigError, match="feature_cache"):
         parse_config(ToyRun, ["--features=offline"])
+    with pytest.raises(ConfigError, match=r"verifier_embedding=host needs features=offline"):
+        parse_config(ToyRun, ["--verifier_embedding=host"])
+
+
+def test_where_an_offline_run_keeps_the_verifier_embedding():
+    from draftheads.train.placement import embedding_device
+
+    offline = ["--features=offline", "--feature_cache=cache"]
+    for choice, cpu, cuda in [("auto", None, "cpu"), ("host", "cpu", "cpu"), ("device", None, None)]:
+        cfg = parse_config(ToyRun, [*offline, f"--verifier_embedding={choice}"])
+        assert (embedding_device(cfg, "cpu"), embedding_device(cfg, torch.device("cuda", 0))) == (cpu, cuda), choice
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -119,3 +119,44 @@ def test_head_argmax_is_the_argmax_of_the_logits_in_any_chunking(llama_dir):
                                            requires_grad=False)
     assert (head.head_argmax(final) == 5).all()
     assert head.keep_head_rows(torch.tensor([5, 6])) is None and head.holds_whole_head
+
+
+@pytest.mark.parametrize("family, tied", [("llama", False), ("qwen2", True)])
+def test_embedding_held_apart_from_the_head(tmp_path, family, tied):
+    """`embedding_device`: the table is read there and the rest onto `device` (here the meta device stands for a
+    GPU); a tied table is the head's, so it stays with the head."""
+    folder = save_tiny_verifier(tmp_path / "v", family, tie_word_embeddings=tied)
+    whole = Verifier.from_pretrained(folder, dtype="float32")
+    head = Verifier.load_head(folder, dtype="float32", device="meta", embedding_device="cpu")
+    assert head.embedding_held_apart == (not tied) and head.device.type == "meta"
+    assert head.lm_head.weight.device.type == head.norm.weight.device.type == "meta"
+    if tied:
+        assert head.embed_tokens.weight.device.type == "meta" and head.held_bytes() == 0
+        return
+    assert torch.equal(head.embed_tokens.weight, whole.embed_tokens.weight)
+    assert head.held_bytes() == 4 * head.vocab_size * head.hidden_size  # the table alone is in host memory
+    same = Verifier.load_head(folder, dtype="float32", device="cpu", embedding_device="cpu")
+    assert not same.embedding_held_apart and same.device.type == "cpu"
+
+
+def test_embedding_rows_come_back_where_the_ids_are():
+    from draftheads.models.placed import embedding_rows
+
+    table, ids = torch.randn(10, 4), torch.tensor([[3, 0, 9]])
+    assert torch.equal(embedding_rows(table, ids), table[ids])  # across devices: the CUDA test below
+
+
+@pytest.mark.cuda
+def test_embedding_in_host_memory_beside_a_gpu_head_cuda(tmp_path):
+    """On a GPU an offline run keeps the verifier's table in host memory: a drafter's embedded tokens arrive on the
+    GPU, equal to the rows of the table."""
+    from draftheads.models.eagle.config import EagleConfig
+    from draftheads.models.eagle.drafter import build_drafter
+
+    folder = save_tiny_verifier(tmp_path / "v", "llama")
+    head = Verifier.load_head(folder, dtype="float32", device="cuda", embedding_device="cpu")
+    assert head.embedding_held_apart and head.device.type == "cuda" and head.embed_tokens.weight.device.type == "cpu"
+    drafter = build_drafter(head, EagleConfig(version=3))
+    ids = torch.tensor([[1, 5, 7]], device="cuda")
+    got = drafter.embed(ids)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), head.embed_tokens.weight[ids.cpu()])
