@@ -74,3 +74,37 @@ def test_offline_run_holds_no_layer_and_trains_as_with_the_whole_verifier(tmp_pa
     exported = [json.loads((tmp_path / run / "drafter" / "config.json").read_text())["draftheads"]["verifier"]
                 for run in ("head", "whole")]
     assert exported[0] == exported[1] and exported[0]["fingerprint"] == verifier.fingerprint
+
+
+@pytest.mark.cuda
+def test_offline_run_on_a_gpu_keeps_the_embedding_in_host_memory_cuda(tmp_path, monkeypatch):
+    """verifier_embedding=host (auto's choice on a GPU) against device: the table stays in host memory, the losses
+    are the same."""
+    from draftheads.train import eagle as train_eagle
+    from draftheads.train.dump_features import dump
+    from draftheads.train.eagle import EagleRunConfig
+
+    verifier_dir = save_tiny_verifier_with_tokenizer(tmp_path / "v")
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 3}) + "\n"
+                              for i in range(8)))
+    cache = tmp_path / "cache"
+    dump(parse_config(EagleRunConfig, eagle3_args(verifier_dir, source, tmp_path / "unused")), cache,
+         dtype="float32", say=lambda *a, **k: None)
+    loaded = []
+    load_verifier = train_eagle.load_verifier
+    monkeypatch.setattr(train_eagle, "load_verifier", lambda *a, **k: loaded.append(load_verifier(*a, **k)) or
+                        loaded[-1])
+    for where in ("host", "device"):
+        train_eagle.main(parse_config(EagleRunConfig, eagle3_args(
+            verifier_dir, source, tmp_path / where, "--features=offline", f"--feature_cache={cache}",
+            f"--verifier_embedding={where}", "--consistency.enabled=false")))
+    host, device = (run[0] for run in loaded)
+    assert host.embedding_held_apart and host.embed_tokens.weight.device.type == "cpu"
+    assert not device.embedding_held_apart and host.device == device.device == device.embed_tokens.weight.device
+    a, b = metrics(tmp_path / "host"), metrics(tmp_path / "device")
+    assert len(a) == len(b) and a
+    for x, y in zip(a, b):
+        for key in x:
+            if "loss" in key or "acc" in key:
+                assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-6), key
