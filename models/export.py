@@ -127,9 +127,11 @@ def load_medusa(folder: str | os.PathLike, verifier: Verifier | None = None,
                                     f"{verifier.name!r} has {key}={getattr(verifier, key)}")
     dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
     heads = MedusaHeads(shape["hidden_size"], shape["vocab_size"], shape["num_heads"], shape["num_layers"],
-                        shape["bias"], dtype=dtype)
-    require_keys(tensors, {k: tuple(v.shape) for k, v in medusa_vllm.tensors(heads).items()}, str(weights_path))
+                        shape["bias"], dtype=dtype, shared_lm_head=shape["shared_lm_head"])
+    require_keys(tensors, medusa_vllm.tensor_shapes(heads), str(weights_path))
+    shared = tensors.pop(medusa_vllm.SHARED_HEAD) if heads.shared_lm_head else None
     heads.load_state_dict(tensors, strict=True)
+    heads.shared_head = shared  # the file's, as vLLM serves it
     target = device if device is not None else (verifier.device if verifier is not None else None)
     if target is not None:
         heads = heads.to(target)

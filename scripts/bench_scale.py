@@ -159,6 +159,8 @@ TRAINERS = {
     "dflash-1layer": Trainer("DFlash, 1 layer", "dflash", "configs/qwen3-8b-dflash.yaml", 6,
                              DFLASH_LAYERS + ("--dflash.num_hidden_layers=1",), draft_layers=1),
     "medusa": Trainer("Medusa", "medusa", "configs/llama3-8b-medusa.yaml", 1),
+    "medusa-shared": Trainer("Medusa, shared lm_head (frozen)", "medusa", "configs/llama3-8b-medusa.yaml", 1,
+                             ("--medusa.shared_lm_head=true",)),
     "speculators-eagle3": Trainer("speculators 0.9 EAGLE-3", "speculators-eagle3", "", 3, peer="speculators",
                                   features=("offline",)),
     "speculators-dflash": Trainer("speculators 0.9 DFlash", "speculators-dflash", "", 6, peer="speculators",
@@ -168,7 +170,7 @@ TRAINERS = {
     "specforge-eagle3": Trainer("SpecForge 0.2 EAGLE-3", "specforge-eagle3", "", 3, peer="specforge",
                                 features=("offline",)),
 }
-OURS = ("eagle3", "peagle", "dflash", "medusa")
+OURS = ("eagle3", "peagle", "dflash", "medusa", "medusa-shared")
 STATE_LABELS = {"bfloat16": "bf16 AdamW state"}
 """--optimizer-state: how a row of ours with train.optimizer_state other than float32 is labelled."""
 PEERS = ("speculators-eagle3", "speculators-dflash", "specforge-eagle3")

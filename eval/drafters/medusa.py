@@ -87,7 +87,7 @@ class MedusaDrafter(Drafter):
         """(B, H) -> (D, B, V): the heads this tree uses (the first D), not all K."""
         h = hidden.to(self.heads.dtype)
         heads = self.heads
-        return torch.stack([heads.lm_heads[k](heads.blocks[k](h)) for k in range(self.max_depth)])
+        return torch.stack([heads.head_logits(k, h) for k in range(self.max_depth)])
 
     def propose(self, state: DecodeState, sampling: Sampling) -> Draft:
         logits = self.head_logits(self._hidden)  # (D, B, V)

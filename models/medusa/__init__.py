@@ -2,7 +2,10 @@
 
 Head k (k = 0..K-1) reads the verifier's final post-norm hidden state h_t and predicts token t+k+2; the verifier's
 own lm_head predicts t+1. A head is n ResBlocks (x + SiLU(W x + b), W and b zero-initialised, so a new head starts
-as exactly the verifier's head) followed by its own Linear(H, V, bias=False) initialised from the verifier's lm_head.
+as exactly the verifier's head) followed by its own Linear(H, V, bias=False) initialised from the verifier's lm_head,
+or, with `shared_lm_head` (vLLM's `original_lm_head`), by the verifier's lm_head itself, frozen and shared by every
+head: then only the ResBlocks train (K·n·H² weights instead of K·V·H more: 67M instead of 2.2B at Llama-3-8B's
+shapes).
 
 Losses. Head k at position t is scored against token t+k+2, where t+k+2 < T, loss_mask[t+k+2] = 1 (the mask is
 read at the *target* token, so a prompt token is never a target, whatever position predicts it) and, in packed rows,
@@ -66,6 +69,9 @@ class MedusaConfig:
     """ResBlocks per head (vLLM's `num_hidden_layers`)."""
     bias: bool = True
     """ResBlock linears have a bias (vLLM's `medusa_fc_bias`)."""
+    shared_lm_head: bool = False
+    """Every head ends in the verifier's lm_head, frozen, instead of its own trained copy (vLLM's `original_lm_head`):
+    only the ResBlocks train; the export carries the one head. Needs num_layers >= 1."""
     loss: Literal["labels", "distill"] = "labels"
     """`labels`: cross-entropy against the data token t+k+2; `distill`: KL to the verifier's own distribution there."""
     decay: float = 0.8
@@ -98,6 +104,9 @@ class MedusaConfig:
             raise ValueError(f"medusa.num_heads={self.num_heads}: expected at least 1 head")
         if self.num_layers < 0:
             raise ValueError(f"medusa.num_layers={self.num_layers}: expected >= 0 ResBlocks per head")
+        if self.shared_lm_head and self.num_layers < 1:
+            raise ValueError(f"medusa.shared_lm_head=true with medusa.num_layers={self.num_layers}: every head would be "
+                             "the verifier's own head; expected num_layers >= 1")
         if not 0 < self.decay <= 1:
             raise ValueError(f"medusa.decay={self.decay}: expected a value in (0, 1]")
         if self.lora_r < 1:
@@ -154,16 +163,26 @@ class MedusaHeads(nn.Module):
 
     Module names are vLLM's checkpoint names: `blocks.{h}.layers.{l}` and `lm_heads.{h}`. A bare constructor gives
     zero ResBlocks and zero lm_heads; `from_verifier` copies the verifier's lm_head, `load_medusa` loads weights.
+    With `shared_lm_head` there are no `lm_heads`: every head ends in `shared_head` (V, H), a tensor held, not a
+    parameter (so nothing trains, checkpoints, syncs or shards it): the verifier's lm_head itself while training
+    (`from_verifier`, no copy), the file's `lm_head.weight` once loaded.
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
-                 bias: bool = True, device=None, dtype=None):
+                 bias: bool = True, device=None, dtype=None, shared_lm_head: bool = False):
         super().__init__()
+        if shared_lm_head and num_layers < 1:
+            raise ValueError("MedusaHeads(shared_lm_head=True) needs num_layers >= 1: else every head is the "
+                             "verifier's own head")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers, self.bias = num_heads, num_layers, bias
+        self.shared_lm_head = shared_lm_head
+        self.shared_head: torch.Tensor | None = None
         self.blocks = nn.ModuleList([
             ResBlock(hidden_size, num_layers, bias, device=device, dtype=dtype) for _ in range(num_heads)
         ])
+        if shared_lm_head:
+            return
         # skip_init: a V x H matrix per head is large (128k x 4k for Llama-3) and is overwritten right away
         self.lm_heads = nn.ModuleList([
             _uninitialised_linear(hidden_size, vocab_size, False, device, dtype) for _ in range(num_heads)
@@ -173,10 +192,13 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_verifier(cls, verifier: Verifier, num_heads: int = 4, num_layers: int = 1, bias: bool = True,
-                      dtype: torch.dtype = torch.float32) -> "MedusaHeads":
+                      dtype: torch.dtype = torch.float32, shared_lm_head: bool = False) -> "MedusaHeads":
         """New heads on the verifier's device; each starts as the verifier's own head (ResBlocks = identity)."""
         heads = cls(verifier.hidden_size, verifier.vocab_size, num_heads, num_layers, bias,
-                    device=verifier.device, dtype=dtype)
+                    device=verifier.device, dtype=dtype, shared_lm_head=shared_lm_head)
+        if shared_lm_head:
+            heads.shared_head = verifier.lm_head.weight.detach()  # (V, H), the verifier's own tensor
+            return heads
         with torch.no_grad():
             source = verifier.lm_head.weight  # (V, H); may be tied to the embedding: we copy, never share
             for head in heads.lm_heads:
@@ -185,16 +207,37 @@ class MedusaHeads(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: MedusaConfig, verifier: Verifier, dtype: torch.dtype = torch.float32) -> "MedusaHeads":
-        return cls.from_verifier(verifier, cfg.num_heads, cfg.num_layers, cfg.bias, dtype=dtype)
+        return cls.from_verifier(verifier, cfg.num_heads, cfg.num_layers, cfg.bias, dtype=dtype,
+                                 shared_lm_head=cfg.shared_lm_head)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_heads[0].weight.dtype
+        return (self.blocks[0].layers[0] if self.shared_lm_head else self.lm_heads[0]).weight.dtype
+
+    def head_weight(self, k: int) -> torch.Tensor:
+        """(V, H) head k's output projection: its own, or the shared one."""
+        if not self.shared_lm_head:
+            return self.lm_heads[k].weight
+        if self.shared_head is None:
+            raise ValueError("MedusaHeads(shared_lm_head=True) holds no lm_head yet: build it with from_verifier or "
+                             "load_medusa")
+        return self.shared_head
+
+    def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """(..., H) -> (..., V): head k's logits (hidden in the heads' dtype)."""
+        weight = self.head_weight(k)
+        return F.linear(self.blocks[k](hidden), weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to(), .float(), .cuda(): the held shared head goes along
+        if self.shared_head is not None:
+            self.shared_head = fn(self.shared_head)
+        return self
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.dtype)  # the verifier may run in bf16 while the heads train in fp32
         # (K, ..., V); stacking costs one extra copy of the logits, small next to what the loss keeps for backward
-        return torch.stack([lm_head(block(hidden)) for block, lm_head in zip(self.blocks, self.lm_heads)])
+        return torch.stack([self.head_logits(k, hidden) for k in range(self.num_heads)])
 
 
 # ---- losses: chunked, no (K, B, T, V) logits (definitions in the module docstring) --------------------------
@@ -249,13 +292,13 @@ def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torc
     ids = input_ids.reshape(N)
     teacher_all = verifier_logits.reshape(N, V) if mode == "distill" else None
     losses, hits, counts = [], [], []
-    for k, (block, lm_head) in enumerate(zip(heads.blocks, heads.lm_heads)):
+    for k, block in enumerate(heads.blocks):
         shift = k + 2
         n = max(N - shift, 0)
         w, count = target_weights(loss_mask, shift, position_ids)  # (B, T)
         x = block(hidden).reshape(N, H)[:n]  # (n, H)
         teacher = teacher_all[shift - 1:shift - 1 + n] if teacher_all is not None else None  # (n, V) view
-        out = linear_loss(x, lm_head.weight, ids[shift:], w.reshape(N)[:n], teacher,
+        out = linear_loss(x, heads.head_weight(k), ids[shift:], w.reshape(N)[:n], teacher,
                           ce_weight=float(mode == "labels"), kl_weight=float(mode == "distill"),
                           max_rank=max_rank, chunk_rows=chunk_rows)
         losses.append(out.loss)

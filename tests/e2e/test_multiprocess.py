@@ -100,14 +100,17 @@ METHODS = {
 }
 
 
-@pytest.mark.parametrize("method", [*sorted(METHODS), "medusa-bf16-state"])
+@pytest.mark.parametrize("method", [*sorted(METHODS), "medusa-bf16-state", "medusa-shared"])
 def test_two_processes_equal_one_with_the_same_global_batch(tmp_path, verifier_dir, method):
     """`medusa-bf16-state`: train.optimizer_state=bfloat16, whose rounding noise is the same on both processes (seeded
-    by parameter and step), so the replicas stay equal and agree with accumulation as closely as fp32 state does."""
+    by parameter and step), so the replicas stay equal and agree with accumulation as closely as fp32 state does.
+    `medusa-shared`: the heads end in the verifier's lm_head, held outside DDP's parameters."""
     script, extra = METHODS[method.split("-")[0]]
     args = [*extra, f"--verifier={verifier_dir}", *COMMON]
     if method.endswith("bf16-state"):
         args.append("--train.optimizer_state=bfloat16")
+    if method.endswith("shared"):
+        args.append("--medusa.shared_lm_head=true")
     launch(script, 2, [*args, f"--output_dir={tmp_path / 'ddp'}", "--train.batch_size=2"], tmp_path)
     single(script, [*args, f"--output_dir={tmp_path / 'accum'}", "--train.batch_size=2", "--train.grad_accum=2"],
            tmp_path)

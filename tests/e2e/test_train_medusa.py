@@ -150,6 +150,21 @@ def test_medusa2_exports_an_adapter_that_loads_back(verifier_dir, tmp_path):
     assert meta["adapter"] == "adapter" and heads.num_heads == 3
 
 
+def test_shared_head_trains_the_blocks_alone_and_exports_the_verifiers_head(verifier_dir, tmp_path):
+    """medusa.shared_lm_head: checkpoints hold the ResBlocks only, the export carries the verifier's lm_head once
+    (`original_lm_head`), and the reloaded export decodes as the trained heads did (the end-of-run check)."""
+    summary = run(verifier_dir, tmp_path, "--medusa.shared_lm_head=true", "--medusa.loss=distill")
+    stored = load_file(str(tmp_path / "step-000006" / "model.safetensors"))
+    assert stored and all(".blocks." in k for k in stored)
+    verifier = Verifier.from_pretrained(verifier_dir)
+    heads, _ = load_medusa(tmp_path / "drafter", verifier)
+    assert heads.shared_lm_head and torch.equal(heads.shared_head, verifier.lm_head.weight)
+    assert any(p.abs().sum() > 0 for p in heads.parameters())  # the blocks trained
+    logged = records(tmp_path)
+    assert logged[-1]["eval/tau"] == logged[-1]["eval/tau_in_memory"] >= 1.0
+    assert summary["consistency"]["tau"] == logged[-1]["eval/tau"]
+
+
 def test_distill_loss_runs(verifier_dir, tmp_path):
     summary = run(verifier_dir, tmp_path, "--medusa.loss=distill", "--train.max_steps=2", "--train.warmup_steps=1",
                   "--train.eval_every=0")

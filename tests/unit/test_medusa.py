@@ -53,6 +53,38 @@ def test_heads_are_distinct_modules_with_vllm_names(llama_dir):
     assert not any(k.endswith(".bias") for k in no_bias.state_dict())
 
 
+def test_shared_head_is_the_verifiers_own_tensor_and_only_the_blocks_train(llama_dir):
+    """shared_lm_head: no lm_heads, every head ends in the verifier's lm_head itself (no copy, not a parameter), and
+    the loss's gradient reaches the ResBlocks and nothing else."""
+    from draftheads.models.medusa import medusa_head_losses
+
+    verifier = Verifier.from_pretrained(llama_dir)
+    heads = MedusaHeads.from_verifier(verifier, num_heads=3, num_layers=1, shared_lm_head=True)
+    assert not hasattr(heads, "lm_heads") and heads.shared_head.data_ptr() == verifier.lm_head.weight.data_ptr()
+    assert set(heads.state_dict()) == {f"blocks.{h}.layers.0.{p}" for h in range(3) for p in ("weight", "bias")}
+    H, V = verifier.hidden_size, verifier.vocab_size
+    assert sum(p.numel() for p in heads.parameters()) == 3 * (H * H + H)
+    ids = torch.randint(0, V, (2, 9))
+    feats = verifier.features(ids, return_logits=True)
+    with torch.no_grad():
+        for k in range(3):  # new heads: the verifier's logits
+            torch.testing.assert_close(heads(feats.final)[k], feats.logits, rtol=0, atol=0)
+        for p in heads.parameters():
+            p.normal_(0, 0.02)
+    out = medusa_head_losses(heads, feats.final, ids, torch.ones_like(ids))
+    out.loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in heads.parameters())
+    assert verifier.lm_head.weight.grad is None
+    own = MedusaHeads.from_verifier(verifier, num_heads=3, num_layers=1)  # the same blocks, own copies of the head
+    own.load_state_dict({**heads.state_dict(), **{f"lm_heads.{k}.weight": verifier.lm_head.weight for k in range(3)}})
+    with torch.no_grad():
+        torch.testing.assert_close(heads(feats.final), own(feats.final), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="num_layers >= 1"):
+        MedusaHeads(H, V, num_layers=0, shared_lm_head=True)
+    with pytest.raises(ValueError, match="holds no lm_head yet"):
+        MedusaHeads(H, V, shared_lm_head=True)(feats.final)
+
+
 def test_resblock_math():
     heads = MedusaHeads(8, 5, num_heads=2, num_layers=2)
     torch.manual_seed(0)
@@ -274,3 +306,5 @@ def test_config_checks_and_nests_in_a_run_config():
     assert cfg.medusa.lora_target_modules == ["q_proj", "v_proj"]
     with pytest.raises(ConfigError, match="loss"):
         parse_config(MedusaRun, ["--medusa.loss=mse"])
+    with pytest.raises(ConfigError, match=r"medusa.shared_lm_head=true with medusa.num_layers=0: .*num_layers >= 1"):
+        parse_config(MedusaRun, ["--medusa.shared_lm_head=true", "--medusa.num_layers=0"])

@@ -69,6 +69,33 @@ def test_reload_is_bit_exact_and_tree_comes_back_as_tuples(tmp_path, llama_dir):
         assert torch.equal(loaded(x), heads(x))
 
 
+def test_shared_head_exports_one_lm_head_as_vllm_reads_it(tmp_path, llama_dir):
+    """shared_lm_head: `original_lm_head: true` and one `lm_head.weight` (the verifier's, in the heads' dtype);
+    the reload decodes as the heads did."""
+    verifier = Verifier.from_pretrained(llama_dir)
+    H, V = verifier.hidden_size, verifier.vocab_size
+    heads = MedusaHeads.from_verifier(verifier, 2, 1, shared_lm_head=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.02)
+    save_medusa(tmp_path / "d", heads, verifier)
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["original_lm_head"] is True and [k for k in config if "num" in k] == ["num_heads", "num_hidden_layers"]
+    tensors = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in tensors.items() if "blocks" not in k} == {"lm_head.weight": (V, H)}
+    assert torch.equal(tensors["lm_head.weight"], verifier.lm_head.weight)
+    loaded, _ = load_medusa(tmp_path / "d", verifier)
+    assert loaded.shared_lm_head and torch.equal(loaded.shared_head, verifier.lm_head.weight)
+    x = torch.randn(2, H)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), heads(x))
+    assert loaded.to(torch.bfloat16).shared_head.dtype == torch.bfloat16  # the held head follows .to()
+    config["original_lm_head"] = "yes"
+    (tmp_path / "d" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterFormatError, match=r"original_lm_head='yes'; expected true or false"):
+        load_medusa(tmp_path / "d", verifier)
+
+
 def test_bf16_heads_reload_in_bf16(tmp_path, llama_dir):
     verifier = Verifier.from_pretrained(llama_dir)
     heads = MedusaHeads.from_verifier(verifier, 2, 1, dtype=torch.bfloat16)

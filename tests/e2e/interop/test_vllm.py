@@ -1,7 +1,7 @@
 """Our exports in real vLLM (the CPU build of 0.32, in .venv-vllm: `bash scripts/setup_vllm.sh`).
 
-For each verifier family (Llama, Qwen2, Mistral) and each export flavour (Medusa, Medusa-2 with the adapter merged
-into the verifier, EAGLE-1, EAGLE-3 with a pruned and with the whole vocabulary, a bf16 EAGLE-3, the speculators
+For each verifier family (Llama, Qwen2, Mistral) and each export flavour (Medusa, Medusa with one shared lm_head
+(`original_lm_head`, on Llama and Qwen3), Medusa-2 with the adapter merged into the verifier, EAGLE-1, EAGLE-3 with a pruned and with the whole vocabulary, a bf16 EAGLE-3, the speculators
 format served as `LLM(model=DRAFTER_DIR)`, parallel drafting (P-EAGLE, `parallel_drafting: true`) and EAGLE 3.1's
 fc_norm + norm_output on Llama and Qwen2), one batch of one prompt and one of three prompts of different lengths:
   - vLLM's greedy outputs equal plain greedy decoding of the verifier;
@@ -22,7 +22,7 @@ import torch
 from draftheads.eval import build_decoder
 from draftheads.eval.interop.vllm_peer import VllmCase, run_vllm
 from draftheads.models.export import export_eagle, load_medusa, save_medusa
-from draftheads.models.medusa import MedusaHeads, add_lora
+from draftheads.models.medusa import MedusaHeads, add_lora, medusa_head_losses
 from draftheads.models.verifier import Verifier
 from tests.utils import (
     FAMILIES,
@@ -60,6 +60,21 @@ def medusa_heads(verifier, corpus):
     return heads
 
 
+def shared_medusa_heads(verifier, corpus, steps=25):
+    """Heads that end in the verifier's lm_head (`shared_lm_head`, vLLM's `original_lm_head`): their ResBlocks
+    trained a few Adam steps on the corpus (no closed form through SiLU), enough to accept most drafts."""
+    torch.manual_seed(0)
+    heads = MedusaHeads.from_verifier(verifier, num_heads=K, num_layers=1, shared_lm_head=True)
+    ids = torch.tensor([row[:min(map(len, corpus))] for row in corpus])
+    final = verifier.features(ids).final
+    opt = torch.optim.Adam(heads.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        medusa_head_losses(heads, final, ids, torch.ones_like(ids)).loss.backward()
+        opt.step()
+    return heads.eval().requires_grad_(False)
+
+
 def build_cases(root, family):
     """(verifier folder, {case name: (VllmCase, our engine's decoder)}) for one family."""
     model = peaked_model(family, **SIZE)
@@ -79,6 +94,9 @@ def build_cases(root, family):
 
     folder = save_medusa(root / family / "medusa", medusa_heads(verifier, corpus), verifier)
     case(f"{family}-medusa", folder, "medusa", engine("medusa", folder))
+    if family in ("llama", "qwen3"):
+        folder = save_medusa(root / family / "medusa-shared", shared_medusa_heads(verifier, corpus), verifier)
+        case(f"{family}-medusa-shared", folder, "medusa", engine("medusa", folder))
     folder = export_eagle(fit_eagle(verifier, 1, corpus), root / family / "eagle1", verifier)
     case(f"{family}-eagle1", folder, "eagle", engine("eagle", folder))
     pruned = fit_eagle(verifier, 3, corpus, draft_vocab_size=160, layer_ids=[1, 2, 3])
@@ -161,7 +179,7 @@ def interop(tmp_path_factory, vllm_ready):
 
 CASES = [f"{family}-{flavour}" for family in INTEROP_FAMILIES
          for flavour in ("medusa", "eagle1", "eagle3", "eagle3-full")]
-CASES += ["llama-speculators", "qwen3-speculators", "llama-medusa2"]
+CASES += ["llama-speculators", "qwen3-speculators", "llama-medusa2", "llama-medusa-shared", "qwen3-medusa-shared"]
 CASES += [f"{family}-{flavour}" for family in ("llama", "qwen2") for flavour in ("eagle3-parallel", "eagle31")]
 
 
