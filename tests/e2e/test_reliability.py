@@ -733,6 +733,10 @@ CASES += [
          r"step 1: the update (overflows float32|made the drafter's weights non-finite).*stopping without "
          r"checkpointing or exporting",  # torch's fused AdamW writes inf where the loop one raises
          check=no_drafter_written),
+    Case("a learning rate whose update overflows float32, bf16 optimizer state", [*TRAIN, "--train.lr=1e38",
+         "--train.optimizer_state=bfloat16"],
+         r"step 1: the update overflows float32 \(value cannot be converted.*\); stopping without checkpointing or "
+         r"exporting", check=no_drafter_written),
     Case("a learning rate that wrecks the weights (the losses turn NaN)", [*TRAIN, "--train.lr=1e20"],
          r"the run's last 2 step\(s\) had a non-finite loss; stopping without checkpointing or exporting",
          check=no_drafter_written),
