@@ -125,7 +125,10 @@ def load_medusa(folder: str | os.PathLike, verifier: Verifier | None = None,
             if config[key] != getattr(verifier, key):
                 raise VerifierError(f"drafter {str(folder)!r} has {key}={config[key]}, but verifier "
                                     f"{verifier.name!r} has {key}={getattr(verifier, key)}")
-    dtype = next(iter(tensors.values())).dtype if tensors else torch.float32
+    if shape["shared_lm_head"] and medusa_vllm.SHARED_HEAD not in tensors and "lm_heads.0.weight" in tensors:
+        tensors[medusa_vllm.SHARED_HEAD] = tensors.pop("lm_heads.0.weight")  # vLLM reads either name
+    # the heads' dtype from their own tensors (a shared head may be stored in another)
+    dtype = next((t.dtype for k, t in sorted(tensors.items()) if k != medusa_vllm.SHARED_HEAD), torch.float32)
     heads = MedusaHeads(shape["hidden_size"], shape["vocab_size"], shape["num_heads"], shape["num_layers"],
                         shape["bias"], dtype=dtype, shared_lm_head=shape["shared_lm_head"])
     require_keys(tensors, medusa_vllm.tensor_shapes(heads), str(weights_path))
@@ -135,6 +138,7 @@ def load_medusa(folder: str | os.PathLike, verifier: Verifier | None = None,
     target = device if device is not None else (verifier.device if verifier is not None else None)
     if target is not None:
         heads = heads.to(target)
+        heads.place_shared_head(target)
     meta = dict(meta)
     try:
         meta["tree"] = check_tree(meta["tree"], heads.num_heads) if meta.get("tree") is not None else None
@@ -289,7 +293,8 @@ def fill_eagle(drafter: EagleDrafter, tensors: dict[str, torch.Tensor], engine: 
         if tensors[key].dtype != ref.dtype:
             raise DrafterFormatError(f"{where}: weight {key!r} is {tensors[key].dtype}, expected {ref.dtype}")
     embedding = tensors.get(eagle_speculators.EMBEDDING)
-    if embedding is not None and not torch.equal(embedding, drafter.token_embedding.detach().to(embedding.dtype)):
+    if embedding is not None and not torch.equal(embedding, drafter.token_embedding.detach().to(embedding.device,
+                                                                                                embedding.dtype)):
         raise DrafterFormatError(f"{where}: {eagle_speculators.EMBEDDING!r} is not the verifier's token embedding; "
                                  "this drafter embeds tokens its own way, which the engines would serve but "
                                  "draftheads does not train or decode")

@@ -157,6 +157,8 @@ def make_medusa(verifier, draft, paths=None, tree_budget: int | None = None, cha
         raise ValueError(f"method 'medusa': heads have hidden_size={heads.hidden_size}, vocab_size="
                          f"{heads.vocab_size}; the verifier has {verifier.hidden_size}, {verifier.vocab_size}")
     heads = heads.to(verifier.device).eval().requires_grad_(False)
+    if heads.shared_lm_head:  # in the heads' dtype once, not cast in every step (the verifier's tensor untouched)
+        heads.place_shared_head(verifier.device, heads.dtype)
     tree, source = resolve_tree(heads.num_heads, meta, paths, tree_budget, chain)
     typical = (float(typical_epsilon), float(typical_alpha)) if acceptance == "typical" else None
     return MedusaDrafter(heads, tree, tree_sampling, typical, source)

@@ -15,7 +15,7 @@ write it; its lm_heads have no bias; `MedusaConfig.from_pretrained` renames any 
 drafts only the top-1 chain (no tree), so the tree is for our engine. `MedusaHeads`' module names are vLLM's
 checkpoint names, so the tensors are its state dict as it is. With `original_lm_head` vLLM builds one `lm_head`
 that every head uses and reads it from `lm_head.weight` (or `lm_heads.0.weight`) in the drafter's own file, not from
-the verifier.
+the verifier; `load_medusa` reads either name too.
 """
 
 from __future__ import annotations

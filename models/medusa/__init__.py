@@ -164,8 +164,9 @@ class MedusaHeads(nn.Module):
     Module names are vLLM's checkpoint names: `blocks.{h}.layers.{l}` and `lm_heads.{h}`. A bare constructor gives
     zero ResBlocks and zero lm_heads; `from_verifier` copies the verifier's lm_head, `load_medusa` loads weights.
     With `shared_lm_head` there are no `lm_heads`: every head ends in `shared_head` (V, H), a tensor held, not a
-    parameter (so nothing trains, checkpoints, syncs or shards it): the verifier's lm_head itself while training
-    (`from_verifier`, no copy), the file's `lm_head.weight` once loaded.
+    parameter (so nothing trains, checkpoints, syncs or shards it, and `.to()` leaves it where it is): the verifier's
+    lm_head itself while training (`from_verifier`, no copy), the file's `lm_head.weight` once loaded (`load_medusa`
+    places it; `place_shared_head` moves or casts it).
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
@@ -228,11 +229,10 @@ class MedusaHeads(nn.Module):
         weight = self.head_weight(k)
         return F.linear(self.blocks[k](hidden), weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype))
 
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)  # .to(), .float(), .cuda(): the held shared head goes along
+    def place_shared_head(self, device=None, dtype=None) -> None:
+        """Move or cast the held shared head (a copy where that changes it; the verifier's tensor stays as it is)."""
         if self.shared_head is not None:
-            self.shared_head = fn(self.shared_head)
-        return self
+            self.shared_head = self.shared_head.to(device=device, dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.dtype)  # the verifier may run in bf16 while the heads train in fp32
@@ -289,6 +289,11 @@ def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torc
     B, T = input_ids.shape
     N, H, V = B * T, heads.hidden_size, heads.vocab_size
     hidden = hidden.to(heads.dtype)
+    shared = None
+    if heads.shared_lm_head and not torch.is_autocast_enabled(hidden.device.type):
+        # without autocast the products run in the heads' dtype, as own heads' do (not in the verifier's bf16):
+        # one cast for all K heads
+        shared = heads.head_weight(0).to(heads.dtype)
     ids = input_ids.reshape(N)
     teacher_all = verifier_logits.reshape(N, V) if mode == "distill" else None
     losses, hits, counts = [], [], []
@@ -298,7 +303,7 @@ def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torc
         w, count = target_weights(loss_mask, shift, position_ids)  # (B, T)
         x = block(hidden).reshape(N, H)[:n]  # (n, H)
         teacher = teacher_all[shift - 1:shift - 1 + n] if teacher_all is not None else None  # (n, V) view
-        out = linear_loss(x, heads.head_weight(k), ids[shift:], w.reshape(N)[:n], teacher,
+        out = linear_loss(x, shared if shared is not None else heads.head_weight(k), ids[shift:], w.reshape(N)[:n], teacher,
                           ce_weight=float(mode == "labels"), kl_weight=float(mode == "distill"),
                           max_rank=max_rank, chunk_rows=chunk_rows)
         losses.append(out.loss)

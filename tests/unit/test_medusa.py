@@ -85,6 +85,27 @@ def test_shared_head_is_the_verifiers_own_tensor_and_only_the_blocks_train(llama
         MedusaHeads(H, V, shared_lm_head=True)(feats.final)
 
 
+def test_shared_bf16_head_trains_in_the_heads_dtype(llama_dir):
+    """A bf16 verifier, fp32 heads, no autocast: the shared head's products run in fp32, as own heads' would (the
+    same loss as own heads holding the head's values in fp32), not in the verifier's bf16."""
+    from draftheads.models.medusa import medusa_head_losses
+
+    verifier = Verifier.from_pretrained(llama_dir, dtype="bfloat16")
+    heads = MedusaHeads.from_verifier(verifier, num_heads=2, num_layers=1, shared_lm_head=True)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.02)
+    own = MedusaHeads.from_verifier(verifier, num_heads=2, num_layers=1)
+    own.load_state_dict({**heads.state_dict(), **{f"lm_heads.{k}.weight": verifier.lm_head.weight.float()
+                                                  for k in range(2)}})
+    ids = torch.randint(0, verifier.vocab_size, (2, 9))
+    final = verifier.features(ids).final
+    got = medusa_head_losses(heads, final, ids, torch.ones_like(ids))
+    want = medusa_head_losses(own, final, ids, torch.ones_like(ids))
+    assert heads.shared_head.dtype == torch.bfloat16 and got.loss.dtype == torch.float32
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-6, atol=0)
+
+
 def test_resblock_math():
     heads = MedusaHeads(8, 5, num_heads=2, num_layers=2)
     torch.manual_seed(0)

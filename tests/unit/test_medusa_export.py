@@ -89,7 +89,13 @@ def test_shared_head_exports_one_lm_head_as_vllm_reads_it(tmp_path, llama_dir):
     x = torch.randn(2, H)
     with torch.no_grad():
         assert torch.equal(loaded(x), heads(x))
-    assert loaded.to(torch.bfloat16).shared_head.dtype == torch.bfloat16  # the held head follows .to()
+    loaded.place_shared_head(dtype=torch.bfloat16)
+    assert loaded.shared_head.dtype == torch.bfloat16 and verifier.lm_head.weight.dtype == torch.float32
+    # vLLM also reads the shared head as lm_heads.0.weight; so does load_medusa
+    renamed = load_file(str(tmp_path / "d" / "model.safetensors"))
+    renamed["lm_heads.0.weight"] = renamed.pop("lm_head.weight")
+    save_file(renamed, str(tmp_path / "d" / "model.safetensors"), metadata={"format": "pt"})
+    assert torch.equal(load_medusa(tmp_path / "d", verifier)[0].shared_head, verifier.lm_head.weight)
     config["original_lm_head"] = "yes"
     (tmp_path / "d" / "config.json").write_text(json.dumps(config))
     with pytest.raises(DrafterFormatError, match=r"original_lm_head='yes'; expected true or false"):
