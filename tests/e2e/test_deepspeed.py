@@ -209,3 +209,33 @@ def tensors_named(tree, keys: tuple[str, ...]):
     elif isinstance(tree, (list, tuple)):
         for value in tree:
             yield from tensors_named(value, keys)
+
+
+def test_medusa_shared_head_under_zero3_equals_ddp(tmp_path, verifier_dir):
+    """medusa.shared_lm_head under ZeRO-3: the held head is no parameter, so DeepSpeed partitions the ResBlocks alone;
+    the losses and the gathered export equal DDP's, and the export carries the verifier's head."""
+    from draftheads.models.export import load_medusa
+    from draftheads.models.verifier import Verifier
+
+    script, extra = METHODS["medusa"]
+
+    def args(out):
+        return [str(ROOT / "train" / script), *extra, f"--verifier={verifier_dir}", *COMMON, f"--output_dir={out}",
+                "--train.batch_size=2", "--medusa.shared_lm_head=true"]
+
+    zero = deepspeed_launch(3, args(tmp_path / "zero3"), tmp_path)
+    assert zero.returncode == 0, zero.stdout[-2000:] + zero.stderr[-4000:]
+    assert "[deepspeed] DeepSpeedEngine ZeRO-3" in zero.stdout
+    head = ["--multi_gpu", "--num_processes=2", "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no",
+            f"--main_process_port={free_port()}"]
+    ddp_run = launch(head, args(tmp_path / "ddp"), tmp_path, env())
+    assert ddp_run.returncode == 0, ddp_run.stdout[-2000:] + ddp_run.stderr[-4000:]
+    ours, reference = losses(tmp_path / "zero3"), losses(tmp_path / "ddp")
+    assert sorted(ours) == sorted(reference) == [1, 2, 3, 4]
+    for step, values in ours.items():
+        assert values[0] == pytest.approx(reference[step][0], rel=1e-5, abs=1e-6), step
+    assert max_abs_difference(tmp_path / "zero3", tmp_path / "ddp") <= 1e-5
+    assert moved(tmp_path / "ddp", verifier_dir) > 1e-3
+    verifier = Verifier.from_pretrained(verifier_dir)
+    heads, _ = load_medusa(tmp_path / "zero3" / "drafter", verifier)
+    assert heads.shared_lm_head and torch.equal(heads.shared_head, verifier.lm_head.weight)
