@@ -27,8 +27,8 @@ def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_offline_run_holds_no_layer_and_trains_as_with_the_whole_verifier(tmp_path, monkeypatch):
-    from draftheads.train import eagle as train_eagle
+def dumped_cache(tmp_path):
+    """(verifier folder, rows file, feature cache) of a tiny verifier, 8 rows and an EAGLE-3 dump of them."""
     from draftheads.train.dump_features import dump
     from draftheads.train.eagle import EagleRunConfig
 
@@ -39,12 +39,25 @@ def test_offline_run_holds_no_layer_and_trains_as_with_the_whole_verifier(tmp_pa
     cache = tmp_path / "cache"
     dump(parse_config(EagleRunConfig, eagle3_args(verifier_dir, source, tmp_path / "unused")), cache,
          dtype="float32", say=lambda *a, **k: None)
+    return verifier_dir, source, cache
+
+
+def loaded_verifiers(monkeypatch, trainer) -> list:
+    """Every (verifier, tokenizer) the trainer module's load_verifier returns from now on, in order."""
+    loaded = []
+    load_verifier = trainer.load_verifier
+    monkeypatch.setattr(trainer, "load_verifier", lambda *a, **k: loaded.append(load_verifier(*a, **k)) or loaded[-1])
+    return loaded
+
+
+def test_offline_run_holds_no_layer_and_trains_as_with_the_whole_verifier(tmp_path, monkeypatch):
+    from draftheads.train import eagle as train_eagle
+    from draftheads.train.eagle import EagleRunConfig
+
+    verifier_dir, source, cache = dumped_cache(tmp_path)
     offline = ("--features=offline", f"--feature_cache={cache}")
 
-    loaded = []
-    load_verifier = train_eagle.load_verifier
-    monkeypatch.setattr(train_eagle, "load_verifier", lambda *a, **k: loaded.append(load_verifier(*a, **k)) or
-                        loaded[-1])
+    loaded = loaded_verifiers(monkeypatch, train_eagle)
     train_eagle.main(parse_config(EagleRunConfig, eagle3_args(verifier_dir, source, tmp_path / "head", *offline)))
     verifier = loaded[0][0]
     assert verifier.head_only and json.loads((cache / "index.json").read_text())["argmax"]
@@ -81,20 +94,10 @@ def test_offline_run_on_a_gpu_keeps_the_embedding_in_host_memory_cuda(tmp_path, 
     """verifier_embedding=host (auto's choice on a GPU) against device: the table stays in host memory, the losses
     are the same."""
     from draftheads.train import eagle as train_eagle
-    from draftheads.train.dump_features import dump
     from draftheads.train.eagle import EagleRunConfig
 
-    verifier_dir = save_tiny_verifier_with_tokenizer(tmp_path / "v")
-    source = tmp_path / "rows.jsonl"
-    source.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n" * 3}) + "\n"
-                              for i in range(8)))
-    cache = tmp_path / "cache"
-    dump(parse_config(EagleRunConfig, eagle3_args(verifier_dir, source, tmp_path / "unused")), cache,
-         dtype="float32", say=lambda *a, **k: None)
-    loaded = []
-    load_verifier = train_eagle.load_verifier
-    monkeypatch.setattr(train_eagle, "load_verifier", lambda *a, **k: loaded.append(load_verifier(*a, **k)) or
-                        loaded[-1])
+    verifier_dir, source, cache = dumped_cache(tmp_path)
+    loaded = loaded_verifiers(monkeypatch, train_eagle)
     for where in ("host", "device"):
         train_eagle.main(parse_config(EagleRunConfig, eagle3_args(
             verifier_dir, source, tmp_path / where, "--features=offline", f"--feature_cache={cache}",
