@@ -105,8 +105,8 @@ class MedusaConfig:
         if self.num_layers < 0:
             raise ValueError(f"medusa.num_layers={self.num_layers}: expected >= 0 ResBlocks per head")
         if self.shared_lm_head and self.num_layers < 1:
-            raise ValueError(f"medusa.shared_lm_head=true with medusa.num_layers={self.num_layers}: every head would be "
-                             "the verifier's own head; expected num_layers >= 1")
+            raise ValueError(f"medusa.shared_lm_head=true with medusa.num_layers={self.num_layers}: every head would "
+                             "be the verifier's own head; expected num_layers >= 1")
         if not 0 < self.decay <= 1:
             raise ValueError(f"medusa.decay={self.decay}: expected a value in (0, 1]")
         if self.lora_r < 1:
@@ -303,7 +303,8 @@ def medusa_head_losses(heads: MedusaHeads, hidden: torch.Tensor, input_ids: torc
         w, count = target_weights(loss_mask, shift, position_ids)  # (B, T)
         x = block(hidden).reshape(N, H)[:n]  # (n, H)
         teacher = teacher_all[shift - 1:shift - 1 + n] if teacher_all is not None else None  # (n, V) view
-        out = linear_loss(x, shared if shared is not None else heads.head_weight(k), ids[shift:], w.reshape(N)[:n], teacher,
+        weight = shared if shared is not None else heads.head_weight(k)  # (V, H)
+        out = linear_loss(x, weight, ids[shift:], w.reshape(N)[:n], teacher,
                           ce_weight=float(mode == "labels"), kl_weight=float(mode == "distill"),
                           max_rank=max_rank, chunk_rows=chunk_rows)
         losses.append(out.loss)
