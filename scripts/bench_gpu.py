@@ -91,7 +91,34 @@ def embedded(path: str | None, device) -> tuple[Verifier | None, object, str]:
     return verifier, tokenizer, f"embedded verifier {folder}"
 
 
-def prompts_for(verifier: Verifier, tokenizer, n: int, length: int, seed: int) -> list[list[int]]:
+def stdlib_prompts(tokenizer, split: str, n: int, length: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` tokens cut from the stdlib's `split` files (draftheads.data.stdlib), each from a seeded
+    random place in its own file (files in a seeded order, taken again when there are fewer than n long enough)."""
+    from draftheads.data.stdlib import read_source, stdlib_files
+
+    gen = torch.Generator().manual_seed(seed)
+    files = stdlib_files(split)
+    order = torch.randperm(len(files), generator=gen).tolist()
+    out: list[list[int]] = []
+    for i in range(len(order) * 4):
+        if len(out) == n:
+            break
+        text = read_source(files[order[i % len(order)]])
+        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids  # no max-length warning
+        if len(ids) >= length:
+            start = int(torch.randint(0, len(ids) - length + 1, (1,), generator=gen))
+            out.append(ids[start: start + length])
+    if len(out) < n:
+        raise ValueError(f"the stdlib's {split!r} split has too few files of {length}+ tokens for {n} prompts")
+    return out
+
+
+def prompts_for(verifier: Verifier, tokenizer, n: int, length: int, seed: int, source: str = "code"
+                ) -> list[list[int]]:
+    """Prompts of token ids: the fixed code prompts (`code`), windows of the stdlib's held-out `eval` split
+    (`stdlib`; a verifier with a tokenizer), or random ids (no tokenizer)."""
+    if tokenizer is not None and source == "stdlib":
+        return stdlib_prompts(tokenizer, "eval", n, length, seed)
     if tokenizer is not None:
         return [tokenizer.encode(p)[:length] for p in (CODE_PROMPTS * n)[:n]]
     gen = torch.Generator().manual_seed(seed)
@@ -99,14 +126,18 @@ def prompts_for(verifier: Verifier, tokenizer, n: int, length: int, seed: int) -
 
 
 # ---- the drafter ---------------------------------------------------------------------------------------------------
-def fit_eagle(verifier: Verifier, args, device) -> tuple[torch.nn.Module, dict]:
-    """An EAGLE drafter from models/eagle/, briefly fitted on the verifier's own greedy continuations."""
+def fit_eagle(verifier: Verifier, args, device, tokenizer=None) -> tuple[torch.nn.Module, dict]:
+    """An EAGLE drafter from models/eagle/, briefly fitted on the verifier's own greedy continuations of prompts:
+    random ids, or (`--fit-data stdlib`, a verifier with a tokenizer) windows of the stdlib's `drafter` split,
+    which the embedded verifiers never trained on."""
     from draftheads.models.eagle import EagleConfig, build_drafter, count_tokens
 
     t0 = time.perf_counter()
-    n, plen = (8, 8) if args.dry_run else (48, 16)
-    seq = 32 if args.dry_run else 160
-    prompts = prompts_for(verifier, None, n, plen, seed=123)
+    n, plen = (8, 8) if args.dry_run else (args.fit_sequences, 16)
+    seq = 32 if args.dry_run else args.fit_seq_len
+    stdlib = args.fit_data == "stdlib" and tokenizer is not None
+    prompts = (stdlib_prompts(tokenizer, "drafter", n, plen, seed=123) if stdlib
+               else prompts_for(verifier, None, n, plen, seed=123))
     ar = FusedDecoder(SpeculativeDecoder(verifier, NoDrafter(), "autoregressive"), buckets=Buckets(batch=(n,)))
     cont = ar.generate(prompts, seq - plen, eos_token_id=None).output_ids
     ids = torch.tensor([p + c for p, c in zip(prompts, cont)], device=device)  # (n, seq)
@@ -117,7 +148,7 @@ def fit_eagle(verifier: Verifier, args, device) -> tuple[torch.nn.Module, dict]:
     drafter = build_drafter(verifier, cfg, counts).train()
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=args.fit_lr)
     gen = torch.Generator(device=device).manual_seed(0)
-    batch = min(8, n)
+    batch = min(args.fit_batch, n)
     losses = []
     for step in range(args.fit_steps):
         rows = torch.randint(0, n, (batch,), generator=gen, device=device)
@@ -133,7 +164,8 @@ def fit_eagle(verifier: Verifier, args, device) -> tuple[torch.nn.Module, dict]:
     drafter = drafter.eval().requires_grad_(False).to(dtype=verifier.dtype if device.type == "cuda" else
                                                        torch.float32)
     return drafter, {"eagle_version": args.eagle_version, "fit_steps": args.fit_steps, "fit_lr": args.fit_lr,
-                     "fit_sequences": n, "fit_seq_len": seq, "loss_trace": losses,
+                     "fit_data": "stdlib drafter split" if stdlib else "random prompts",
+                     "fit_sequences": n, "fit_seq_len": seq, "fit_batch": batch, "loss_trace": losses,
                      "fit_seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -265,10 +297,10 @@ def bench_verifier(name: str, verifier: Verifier, tokenizer, args, device, deadl
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     verifier.model.to(dtype)
     log(f"{name}: fitting the EAGLE drafter ({args.fit_steps} steps)")
-    drafter, fit = fit_eagle(verifier, args, device)
+    drafter, fit = fit_eagle(verifier, args, device, tokenizer)
     res["fit"] = fit
     factory = lambda: eagle_method(verifier, drafter, args.chain, args.dry_run)  # noqa: E731
-    check_prompts = prompts_for(verifier, tokenizer, 2, args.prompt_len, seed=7)
+    check_prompts = prompts_for(verifier, tokenizer, 2, args.prompt_len, seed=7, source=args.prompt_source)
     if time.perf_counter() < deadline:
         log(f"{name}: float32 exactness ({len(check_prompts)} prompts x {args.check_tokens} tokens)")
         verifier.model.float()  # bf16 -> fp32 is exact, and back again
@@ -281,7 +313,7 @@ def bench_verifier(name: str, verifier: Verifier, tokenizer, args, device, deadl
         log(f"{name}: timing in {dtype} ({args.prompts} prompts x {args.max_new_tokens} tokens, "
             f"{args.repeats} repeat(s))")
         r = runners(verifier, factory, args, device)
-        prompts = prompts_for(verifier, tokenizer, args.prompts, args.prompt_len, seed=11)
+        prompts = prompts_for(verifier, tokenizer, args.prompts, args.prompt_len, seed=11, source=args.prompt_source)
         times, outs = timing(r["fns"], prompts, args.max_new_tokens, device, args.repeats)
         res["timing"] = times
         res["derived"] = derived(times)
@@ -383,6 +415,13 @@ def main(argv=None) -> int:
     ap.add_argument("--chain", type=int, default=4)
     ap.add_argument("--fit-steps", type=int, default=300)
     ap.add_argument("--fit-lr", type=float, default=1e-3)
+    ap.add_argument("--fit-sequences", type=int, default=48, help="self-distilled rows the drafter is fitted on")
+    ap.add_argument("--fit-seq-len", type=int, default=160, help="tokens a row (16 of prompt, the rest generated)")
+    ap.add_argument("--fit-batch", type=int, default=8, help="rows a fitting step")
+    ap.add_argument("--fit-data", default="random", choices=("random", "stdlib"),
+                    help="the rows' prompts: random ids, or windows of the stdlib's drafter split (needs a tokenizer)")
+    ap.add_argument("--prompt-source", default="code", choices=("code", "stdlib"),
+                    help="timed prompts: the four fixed code prompts, or windows of the stdlib's held-out eval split")
     ap.add_argument("--capture-drafter", default="auto", choices=("auto", "yes", "no"))
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -391,6 +430,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new work after this many seconds")
     args = ap.parse_args(argv)
+    for flag in ("fit_sequences", "fit_seq_len", "fit_batch", "prompts", "prompt_len"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected a positive integer")
+    if args.fit_seq_len <= 16:
+        ap.error(f"--fit-seq-len {args.fit_seq_len}: expected more than the 16 prompt tokens")
     if args.dry_run:
         args.fit_steps, args.prompts, args.prompt_len = min(args.fit_steps, 5), 1, 8
         args.max_new_tokens, args.check_tokens = min(args.max_new_tokens, 12), min(args.check_tokens, 8)

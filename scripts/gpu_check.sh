@@ -11,6 +11,11 @@
 #   on the device:  bash scripts/gpu_check.sh              # device `run`: carry [".whl", ".cache-gpu"], timeout_s 400
 #   a rerun:        bash scripts/gpu_check.sh --tests      # the CUDA tests alone, after a fix (carry [".whl"])
 #                   (2026-12-04 on an H200: 274 s, the machine's start not counted)
+#   realistic:      bash scripts/gpu_check.sh --realistic  # carry [".whl"], timeout_s 600: no tests; builds the
+#                   100.7M-parameter code-100m verifier on the GPU (models/tiny/recipe.py, GPU_VERIFIER_BUILD_S,
+#                   default 300) and runs the decode benchmark on it alone, its EAGLE drafter fitted on 256
+#                   self-distilled rows of the stdlib's drafter split and timed on held-out eval-split prompts
+#   its smoke:      PYTHON=.venv/bin/python bash scripts/gpu_check.sh --realistic-dry-run   # CPU: 3 build steps
 #
 # The trainers on the GPU are scripts/gpu_train_check.sh's (its own carry; run it after this one when time is left).
 # Writes docs/benchmarks/gpu-<date>-<gpu>.{json,md}; when $OUT is set (the device tool) copies them there with the
@@ -19,6 +24,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
+case $MODE in
+  run|--prepare|--dry-run|--tests|--realistic|--realistic-dry-run) ;;
+  *) echo "scripts/gpu_check.sh: unknown mode '$MODE'; expected --prepare, --dry-run, --tests, --realistic or" \
+       "--realistic-dry-run (none: the whole check)" >&2; exit 2 ;;
+esac
 start=$SECONDS
 # shellcheck source=scripts/gpu_wheels.sh
 source scripts/gpu_wheels.sh  # $PY, the wheels
@@ -40,7 +50,8 @@ LOG=${OUT:-runs/gpu-check}
 mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export PYTHONPATH=$PWD
-if [ "$MODE" = "--dry-run" ]; then
+DRY=; case $MODE in --dry-run|--realistic-dry-run) DRY=1 ;; esac
+if [ -n "$DRY" ]; then
   DEVICE=cpu
   BENCH_ARGS=(--device cpu --dry-run --out runs/bench)
   [ -d .whl ] && echo "[gpu_check] dry run: would install $(ls .whl | tr '\n' ' ')"
@@ -51,12 +62,42 @@ else
 fi
 # The device's own Python gets the carried wheels (and the dry run too with GPU_CHECK_INSTALL=1, in an environment
 # made to look like the device's: scripts/gpu_check.sh's header).
-if [ "$MODE" != "--dry-run" ] || [ -n "${GPU_CHECK_INSTALL:-}" ]; then
+if [ -z "$DRY" ] || [ -n "${GPU_CHECK_INSTALL:-}" ]; then
   install_wheels .whl /tmp/site || exit 1
 fi
 "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, \
 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available()); import triton; print('triton', \
 triton.__version__)" 2>&1 | tee "$LOG/versions.txt"
+
+# --realistic: a verifier at a realistic size, built here, and the decode benchmark on it alone (no tests).
+if [ "$MODE" = "--realistic" ] || [ "$MODE" = "--realistic-dry-run" ]; then
+  REAL=.cache-gpu/code-100m SETS=()
+  if [ -n "$DRY" ]; then  # the same code on the CPU: the full shapes, 3 steps of 2 x 64 tokens
+    REAL=runs/code-100m-dry SETS=(--set steps=3 --set batch_size=2 --set seq_len=64 --set warmup_steps=1 \
+      --set eval_files=1)
+  fi
+  echo "[gpu_check] building code-100m on $DEVICE into $REAL (at most ${GPU_VERIFIER_BUILD_S:-300}s)"
+  timeout "${GPU_VERIFIER_BUILD_S:-300}" "$PY" -m draftheads.models.tiny build --recipe code-100m --out "$REAL" \
+    --device "$DEVICE" "${SETS[@]}" > "$LOG/code-100m-build.log" 2>&1
+  build_rc=$?
+  tail -5 "$LOG/code-100m-build.log"
+  [ -f "$REAL/draftheads_build.json" ] && cp "$REAL/draftheads_build.json" "$LOG/code-100m-build.json"
+  if [ "$build_rc" -ne 0 ]; then
+    echo "[gpu_check] device=$DEVICE code-100m build failed (rc $build_rc) elapsed=$((SECONDS - start))s"
+    exit "$build_rc"
+  fi
+  left=$(( 560 - (SECONDS - start) ))
+  echo "[gpu_check] benchmark on code-100m with ${left}s left"
+  timeout "$left" "$PY" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --embedded "$REAL" --skip-1b --fit-data stdlib \
+    --fit-sequences 256 --fit-seq-len 272 --fit-batch 16 --fit-steps 600 --prompt-source stdlib --prompts 8 \
+    --prompt-len 128 --budget-s $(( left - 60 )) 2>&1 | tee "$LOG/bench.log"
+  bench_rc=${PIPESTATUS[0]}
+  outdir=docs/benchmarks; [ -n "$DRY" ] && outdir=runs/bench
+  newest=$(ls -t "$outdir"/gpu-*.json 2>/dev/null | head -1)
+  if [ -n "$newest" ] && [ -n "${OUT:-}" ]; then cp "$newest" "${newest%.json}.md" "$OUT/"; fi
+  echo "[gpu_check] device=$DEVICE realistic bench_rc=$bench_rc report=${newest:-none} elapsed=$((SECONDS - start))s"
+  exit "$bench_rc"
+fi
 
 # 1. The CUDA tests: only the files that have some (collecting the rest would need packages the image lacks).
 # One process per file: a device-side assert poisons the CUDA context, and every later test in that process would
@@ -78,7 +119,7 @@ fi
 EMB=none
 if [ -f .cache-gpu/tiny-micro/config.json ]; then
   EMB=.cache-gpu/tiny-micro
-elif "$PY" -c "import draftheads.models.tiny" 2>/dev/null && [ "$MODE" != "--dry-run" ]; then
+elif "$PY" -c "import draftheads.models.tiny" 2>/dev/null && [ -z "$DRY" ]; then
   if DRAFTHEADS_HOME=$PWD/.cache-gpu timeout 90 "$PY" -m draftheads.models.tiny build --recipe micro > "$LOG/tiny-build.log" 2>&1
   then EMB=.cache-gpu/tiny-micro; else echo "[gpu_check] embedded verifier not built in 90 s; skipped"; fi
 fi
@@ -90,7 +131,7 @@ timeout "$left" "$PY" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --embedded "$EMB" 
   2>&1 | tee "$LOG/bench.log"
 bench_rc=${PIPESTATUS[0]}
 
-outdir=docs/benchmarks; [ "$MODE" = "--dry-run" ] && outdir=runs/bench
+outdir=docs/benchmarks; [ -n "$DRY" ] && outdir=runs/bench
 newest=$(ls -t "$outdir"/gpu-*.json 2>/dev/null | head -1)
 if [ -n "$newest" ] && [ -n "${OUT:-}" ]; then cp "$newest" "${newest%.json}.md" "$OUT/"; fi
 echo "[gpu_check] device=$DEVICE tests_rc=$tests_rc bench_rc=$bench_rc report=${newest:-none} elapsed=$((SECONDS - start))s"

@@ -31,10 +31,14 @@ from draftheads.models.tiny.tokenizer import train_tokenizer
 
 
 # ---- build ------------------------------------------------------------------------------------------------------------
-def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> Path:
-    """Train tokenizer + model for a recipe and write the HF folder `out` (atomically; replaces an earlier build).
+def build(recipe: str | Recipe, out: str | Path, seed: int = 0, device: str | torch.device = "cpu",
+          **overrides) -> Path:
+    """Train tokenizer + model for a recipe on `device` and write the HF folder `out` (atomically; replaces an
+    earlier build).
 
-    `overrides` replace recipe fields (tests use them for cheap builds). Returns `out`.
+    `overrides` replace recipe fields (tests use them for cheap builds). A CPU build is the same bit for bit on the
+    same machine; a GPU build follows the same recipe and steps but not bit for bit (`_deterministic_torch`).
+    Returns `out`.
     """
     from draftheads.data.stdlib import read_source, stdlib_files
 
@@ -45,7 +49,8 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
                               "pick an empty or new folder")
     begin = time.perf_counter()
 
-    with _deterministic_torch(_cpu_count()):
+    device = torch.device(device)
+    with _deterministic_torch(_cpu_count(), device):
         verifier_files = stdlib_files("verifier")
         texts = [read_source(p) for p in _bar(verifier_files, desc="reading stdlib", unit="file", leave=False)]
         t0 = time.perf_counter()
@@ -58,7 +63,7 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
         _log(f"tokenizer: {len(tokenizer)} tokens in {tokenizer_seconds:.1f}s; corpus {len(train_texts)} files, "
              f"{len(stream)} tokens, {sum(len(t.encode()) for t in train_texts) / len(stream):.2f} bytes/token")
 
-        model, figures = train_model(recipe, tokenizer, stream, seed)
+        model, figures = train_model(recipe, tokenizer, stream, seed, device)
 
         held_out = {}
         if recipe.eval_files != 0:
@@ -66,6 +71,7 @@ def build(recipe: str | Recipe, out: str | Path, seed: int = 0, **overrides) -> 
             eval_texts = [read_source(p) for p in stdlib_files("eval")[: recipe.eval_files]]
             held_out = bits_per_byte(model, tokenizer, eval_texts, recipe.seq_len, recipe.eval_batch_size)
             held_out.update(files=len(eval_texts), seconds=round(time.perf_counter() - t0, 2))
+        model = model.cpu()
 
     from transformers import GenerationConfig
 
@@ -147,13 +153,13 @@ def _file_lock(path: Path):
 
 
 def ensure_built(recipe: str | Recipe = "default", home: str | Path | None = None, seed: int | None = None,
-                 force: bool = False) -> Path:
+                 force: bool = False, device: str = "cpu") -> Path:
     """The built folder `<home>/<recipe name>`, building it first if it is missing or from another recipe.
 
     Safe for concurrent callers (pytest workers, accelerate ranks): one builds under a file lock, the rest wait and
     then find it; nobody sees a half-written folder. `seed=None` accepts a cached build of any seed (a new build
     uses seed 0); `force` rebuilds regardless. The build runs in a child process (`draftheads build-verifier`),
-    so this process's torch thread settings are untouched.
+    so this process's torch thread settings are untouched. `device` is where a build trains (cpu, cuda[:N]).
     """
     r = get_recipe(recipe)
     folder = cache_home(home) / r.name
@@ -166,16 +172,16 @@ def ensure_built(recipe: str | Recipe = "default", home: str | Path | None = Non
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build; we hold the lock
         seed = 0 if seed is None else seed
         _log(f"building the embedded verifier {r.name!r} (seed {seed}) into {folder}; this happens once")
-        _build_in_child(r, folder, seed)
+        _build_in_child(r, folder, seed, device)
     return folder
 
 
-def _build_in_child(recipe: Recipe, out: Path, seed: int) -> None:
+def _build_in_child(recipe: Recipe, out: Path, seed: int, device: str = "cpu") -> None:
     # libgomp's worker threads spin while they wait; on a shared machine that made training ~6x slower (measured),
     # sleeping costs little on a quiet one. It only takes effect before torch is imported: in the child's env.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     cmd = [sys.executable, "-m", "draftheads.models.tiny", "build", "--recipe-json", json.dumps(dataclasses.asdict(recipe)),
-           "--out", str(out), "--seed", str(seed)]
+           "--out", str(out), "--seed", str(seed), "--device", str(device)]
     quiet = _quiet()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE if quiet else None, text=True)
     if proc.returncode != 0:

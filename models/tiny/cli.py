@@ -4,6 +4,7 @@ verifier."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -11,8 +12,8 @@ from pathlib import Path
 import torch
 
 from draftheads.models.tiny.cache import _transformers_bars_off, build, ensure_built, read_build_info
-from draftheads.models.tiny.pretrain import _cpu_count
-from draftheads.models.tiny.recipe import RECIPES, Recipe
+from draftheads.models.tiny.pretrain import _cpu_count, build_device
+from draftheads.models.tiny.recipe import RECIPES, Recipe, get_recipe
 
 
 @torch.no_grad()
@@ -42,8 +43,9 @@ def summary(folder: str | Path) -> str:
                      f"({held['nats_per_token']:.4f} nats/token over {held['files']} eval files, "
                      f"{held['tokens']} tokens, {held['bytes']} bytes)")
     if fig:
+        where = f"{fig['threads']} threads" if fig.get("device", "cpu") == "cpu" else f"on {fig['device']}"
         lines.append(f"  training: {fig['train_tokens']} tokens at {fig['train_tokens_per_s']:.0f} tokens/s "
-                     f"({fig['steps_per_s']:.2f} steps/s, {fig['precision']}, {fig['threads']} threads), "
+                     f"({fig['steps_per_s']:.2f} steps/s, {fig['precision']}, {where}), "
                      f"final train loss {fig['train_loss']:.4f} nats/token")
         lines.append(f"  build time: {fig['total_seconds']:.0f}s (tokenizer {fig['tokenizer_seconds']:.1f}s, "
                      f"training {fig['train_seconds']:.0f}s, held-out eval {held.get('seconds', 0):.0f}s)")
@@ -73,12 +75,52 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="write the model folder here instead of the cache")
     b.add_argument("--seed", type=int, default=None, help="default 0 (a cached build of any seed is kept)")
     b.add_argument("--force", action="store_true", help="rebuild even if the cached build is current")
+    b.add_argument("--device", default="cpu", help="where to train: cpu (default) or cuda[:N]")
+    b.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="sets",
+                   help="replace one recipe field (repeatable; VALUE is JSON, else a string), e.g. --set steps=10")
     return top
+
+
+def recipe_overrides(recipe: Recipe, sets: list[str]) -> dict:
+    """`--set FIELD=VALUE` pairs as overrides of `recipe`'s fields; VALUE is read as JSON (10, 1e-3, null, true),
+    else kept as a string, and must have the field's type (ints for floats too; null where the field may be None)."""
+    fields = {f.name: f for f in dataclasses.fields(Recipe)}
+    out = {}
+    for item in sets:
+        field, eq, raw = item.partition("=")
+        if not eq or not field:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set steps=10")
+        if field not in fields:
+            raise ValueError(f"--set {item!r}: no recipe field {field!r}; expected one of {sorted(fields)}")
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = raw
+        kind = str(fields[field].type)
+        current = getattr(recipe, field)
+        ok = ((value is None and "None" in kind)
+              or (kind.startswith("int") and type(value) is int)
+              or (kind == "float" and type(value) in (int, float))
+              or (kind == "bool" and type(value) is bool)
+              or (kind not in ("bool", "float") and not kind.startswith("int") and isinstance(value, str)))
+        if not ok:
+            raise ValueError(f"--set {item!r}: field {field!r} takes {kind} (now {current!r}), not {value!r}")
+        out[field] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     recipe = Recipe(**json.loads(args.recipe_json)) if args.recipe_json else args.recipe
+    if args.command == "build":
+        try:
+            device = build_device(args.device)
+            if args.sets:
+                base = get_recipe(recipe)
+                recipe = get_recipe(base, **recipe_overrides(base, args.sets))
+        except (ValueError, TypeError) as err:  # a bad --device, field or value: one line
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     if args.command == "path":
         print(ensure_built(recipe, home=args.home))
         return 0
@@ -96,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         except OutputInTheWay as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        folder = build(recipe, args.out, seed=args.seed or 0)
+        folder = build(recipe, args.out, seed=args.seed or 0, device=device)
     else:
-        folder = ensure_built(recipe, home=args.home, seed=args.seed, force=args.force)
+        folder = ensure_built(recipe, home=args.home, seed=args.seed, force=args.force, device=str(device))
     print(summary(folder))
     return 0

@@ -67,17 +67,18 @@ def native_bf16() -> bool:
     return cap not in _ONEDNN_NO_BF16
 
 
-def compute_dtype(recipe: Recipe) -> torch.dtype:
-    """The build's low-precision dtype, chosen per machine: bf16 where the CPU has it natively (autocast and Muon's
-    orthogonalisation in bf16, torch's own choices), fp32 elsewhere (emulated bf16 is ~10x slower than fp32 there).
-    `recipe.precision` "bf16" / "fp32" forces it."""
-    if recipe.precision == "bf16" or (recipe.precision == "auto" and native_bf16()):
+def compute_dtype(recipe: Recipe, device: str | torch.device = "cpu") -> torch.dtype:
+    """The build's low-precision dtype, chosen per machine: bf16 on a GPU and where the CPU has it natively
+    (autocast and Muon's orthogonalisation in bf16, torch's own choices), fp32 elsewhere (emulated bf16 is ~10x
+    slower than fp32 there). `recipe.precision` "bf16" / "fp32" forces it."""
+    native = torch.device(device).type != "cpu" or native_bf16()
+    if recipe.precision == "bf16" or (recipe.precision == "auto" and native):
         return torch.bfloat16
     return torch.float32
 
 
-def _autocast_dtype(recipe: Recipe) -> torch.dtype | None:
-    return torch.bfloat16 if compute_dtype(recipe) == torch.bfloat16 else None
+def _autocast_dtype(recipe: Recipe, device: str | torch.device = "cpu") -> torch.dtype | None:
+    return torch.bfloat16 if compute_dtype(recipe, device) == torch.bfloat16 else None
 
 
 def learning_rate(step: int, recipe: Recipe) -> float:
@@ -142,7 +143,8 @@ def eval_windows(docs: list[list[int]], seq_len: int, eos_id: int) -> tuple[torc
 @torch.no_grad()
 def bits_per_byte(model, tokenizer, texts: list[str], seq_len: int = 512, batch_size: int = 8,
                   progress: bool = True) -> dict:
-    """Held-out compression: total nats over the texts' tokens / ln 2 / total UTF-8 bytes, in fp32.
+    """Held-out compression: total nats over the texts' tokens / ln 2 / total UTF-8 bytes, in fp32, on the model's
+    device.
 
     Returns {"bits_per_byte", "nats_per_token", "tokens", "bytes"}.
     """
@@ -150,18 +152,23 @@ def bits_per_byte(model, tokenizer, texts: list[str], seq_len: int = 512, batch_
     inputs, targets = eval_windows(docs, seq_len, tokenizer.eos_token_id)
     was_training = model.training
     model.eval()
-    total = torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
     starts = range(0, len(inputs), batch_size)
     for i in _bar(starts, desc="held-out bits/byte", leave=False, disable=not progress):
-        logits = model(input_ids=inputs[i: i + batch_size]).logits.float()  # (B, T, V)
-        total += F.cross_entropy(logits.flatten(0, 1), targets[i: i + batch_size].flatten(), ignore_index=-100,
-                                 reduction="sum").double()
+        logits = model(input_ids=inputs[i: i + batch_size].to(device)).logits.float()  # (B, T, V)
+        total += F.cross_entropy(logits.flatten(0, 1), targets[i: i + batch_size].to(device).flatten(),
+                                 ignore_index=-100, reduction="sum").double()
     model.train(was_training)
     n_tokens = sum(len(d) for d in docs)
     n_bytes = sum(len(t.encode("utf-8")) for t in texts)
     nats = float(total)
     return {"bits_per_byte": nats / math.log(2) / n_bytes, "nats_per_token": nats / n_tokens,
             "tokens": n_tokens, "bytes": n_bytes}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 # ---- model ------------------------------------------------------------------------------------------------------------
@@ -180,7 +187,7 @@ def model_config(recipe: Recipe, tokenizer):
     )
 
 
-def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
+def make_optimizers(model, recipe: Recipe, device: str | torch.device = "cpu") -> list[torch.optim.Optimizer]:
     """AdamW for everything; or Muon for the decoder layers' matrices and AdamW for embeddings, lm_head and norms.
 
     Each param group keeps its peak rate in "peak_lr"; the schedule scales it every step.
@@ -198,8 +205,8 @@ def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
             raise RuntimeError(f"recipe {recipe.name!r} trains with torch.optim.Muon, which torch {torch.__version__} "
                                "lacks (added in torch 2.9); upgrade torch")
         # "match_rms_adamw" scales Muon's orthogonal update to AdamW's size, so one lr serves both
-        muon = Muon(layer_mats, ns_dtype=compute_dtype(recipe), lr=recipe.lr, weight_decay=recipe.weight_decay,
-                    momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+        muon = Muon(layer_mats, ns_dtype=compute_dtype(recipe, device), lr=recipe.lr,
+                    weight_decay=recipe.weight_decay, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
         adamw = torch.optim.AdamW([{"params": other_mats, "weight_decay": recipe.weight_decay},
                                    {"params": vectors, "weight_decay": 0.0}], lr=recipe.lr, **adamw_kw)
         opts = [muon, adamw]
@@ -210,36 +217,64 @@ def make_optimizers(model, recipe: Recipe) -> list[torch.optim.Optimizer]:
 
 
 @contextlib.contextmanager
-def _deterministic_torch(threads: int):
-    """Fixed thread count and deterministic kernels for the build; the caller's settings come back after."""
-    old_threads, old_det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+def _deterministic_torch(threads: int, device: str | torch.device = "cpu"):
+    """Fixed thread count and deterministic kernels for the build; the caller's settings come back after.
+
+    On a GPU some kernels (attention's backward among them) have no deterministic variant: there torch only warns
+    (`warn_only`), so a GPU build is reproducible in its recipe and steps but not bit for bit."""
+    old_threads = torch.get_num_threads()
+    old_det = torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    on_gpu = torch.device(device).type != "cpu"
+    if on_gpu:  # cuBLAS is deterministic only with a fixed workspace, read when its handle is made
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=on_gpu)
     try:
         yield
     finally:
         torch.set_num_threads(old_threads)
-        torch.use_deterministic_algorithms(old_det)
+        torch.use_deterministic_algorithms(old_det, warn_only=old_warn)
 
 
-def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> tuple[torch.nn.Module, dict]:
-    """Train the Llama from scratch on the packed stream; returns the model and its training figures."""
+def build_device(name: str) -> torch.device:
+    """The device a build trains on, from `--device`: cpu, or cuda[:N] when torch sees that GPU. One line otherwise."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name!r}: expected cpu or cuda[:N]") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: torch {torch.__version__} sees no CUDA GPU here")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name!r}: torch sees {torch.cuda.device_count()} CUDA GPU(s)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r}: expected cpu or cuda[:N]")
+    return device
+
+
+def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int,
+                device: str | torch.device = "cpu") -> tuple[torch.nn.Module, dict]:
+    """Train the Llama from scratch on the packed stream on `device`; returns the model (still there) and its
+    training figures."""
     from transformers import LlamaForCausalLM
 
+    device = torch.device(device)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(model_config(recipe, tokenizer)).train()
+    with torch.device(device):
+        model = LlamaForCausalLM(model_config(recipe, tokenizer)).train()
     if recipe.scaled_residual_init:
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
                     proj.weight.normal_(0.0, recipe.init_std / math.sqrt(2 * recipe.num_layers))
-    opts = make_optimizers(model, recipe)
-    amp = _autocast_dtype(recipe)
+    opts = make_optimizers(model, recipe, device)
+    amp = _autocast_dtype(recipe, device)
     n_params = sum(p.numel() for p in model.parameters())
+    where = f"on {_device_name(device)}" if device.type == "cuda" else f"{torch.get_num_threads()} threads"
     _log(f"model: Llama {recipe.num_layers} layers x {recipe.hidden_size}, {n_params / 1e6:.2f}M params; "
          f"{recipe.steps} steps x {recipe.batch_size} x {recipe.seq_len} tokens "
-         f"({'bf16 autocast and Muon' if amp else 'fp32, Muon included'}, {torch.get_num_threads()} threads)")
-    losses = torch.zeros(recipe.steps)  # kept on device; read at log points only
+         f"({'bf16 autocast and Muon' if amp else 'fp32, Muon included'}, {where})")
+    losses = torch.zeros(recipe.steps, device=device)  # kept on the device; read at log points only
     log_every = max(1, min(25, recipe.steps // 20))
     bar = _bar(total=recipe.steps, desc=f"training {recipe.name}", unit="step")
     start = last = time.perf_counter()
@@ -252,8 +287,9 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
         for opt in opts:
             for group in opt.param_groups:
                 group["lr"] = group["peak_lr"] * scale
+        batch = batch.to(device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T) each
-        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        with torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None):
             logits = model(input_ids=inputs).logits  # (B, T, V)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
@@ -276,13 +312,15 @@ def train_model(recipe: Recipe, tokenizer, stream: torch.Tensor, seed: int) -> t
             tokens = (step + 1) * recipe.batch_size * recipe.seq_len
             bar.set_postfix(loss=f"{float(recent):.3f}", tok_s=f"{tokens / (now - start):.0f}")
     bar.close()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     cpu_seconds = time.process_time() - cpu_start
     tail = max(1, recipe.steps // 20)
     tokens = recipe.steps * recipe.batch_size * recipe.seq_len
     return model.eval(), {
         "params": n_params, "precision": "bf16" if amp else "fp32", "native_bf16": native_bf16(),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "device": _device_name(device),
         "train_tokens": tokens, "train_seconds": round(seconds, 2), "train_cpu_seconds": round(cpu_seconds, 1),
         "train_tokens_per_s": round(tokens / seconds, 1), "steps_per_s": round(recipe.steps / seconds, 3),
         "train_loss": round(float(losses[-tail:].mean()), 4),

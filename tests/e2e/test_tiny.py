@@ -283,3 +283,66 @@ def test_path_command_builds_then_prints_only_the_folder(tmp_path):
         proc = _cli("path", "--recipe-json", _toy_json(), home=tmp_path, quiet=False)
         assert proc.stdout == f"{tmp_path / 'tiny-toy'}\n"
     assert tiny.is_current(tmp_path / "tiny-toy", _toy_recipe())
+
+
+def test_set_and_device_reach_the_build_and_its_record(tmp_path):
+    out = tmp_path / "v"
+    proc = _cli("build", "--recipe-json", _toy_json(), "--out", str(out), "--device", "cpu", "--set", "steps=5",
+                "--set", "lr=0.004")
+    info = tiny.read_build_info(out)
+    assert (info["recipe"]["steps"], info["recipe"]["lr"]) == (5, 0.004)
+    assert info["recipe_hash"] == _toy_recipe(steps=5, lr=0.004).digest()
+    assert info["figures"]["device"] == "cpu" and " threads), final train loss" in proc.stdout
+
+
+@pytest.mark.cuda
+def test_a_build_trains_on_the_gpu_and_saves_a_cpu_folder(tmp_path):
+    from draftheads.models.verifier import Verifier
+
+    out = tmp_path / "v"
+    proc = _cli("build", "--recipe-json", _toy_json(steps=30), "--out", str(out), "--device", "cuda")
+    info = tiny.read_build_info(out)
+    assert info["figures"]["device"] == torch.cuda.get_device_name() and info["figures"]["precision"] == "bf16"
+    assert f"on {torch.cuda.get_device_name()}" in proc.stdout
+    curve = [loss for _, loss in info["figures"]["loss_curve"]]
+    assert curve[-1] < curve[0] and math.isfinite(info["held_out"]["bits_per_byte"])
+    verifier = Verifier.from_pretrained(out)  # an ordinary folder: loads on the CPU
+    assert verifier.device.type == "cpu" and verifier.vocab_size == info["recipe"]["vocab_size"]
+
+
+def test_stdlib_prompts_are_windows_of_the_split_files(small_tokenizer):
+    from tests.utils import script_module
+
+    bench = script_module("bench_gpu")
+    prompts = bench.stdlib_prompts(small_tokenizer, "eval", 6, 24, seed=3)
+    assert len(prompts) == 6 and all(len(p) == 24 for p in prompts)
+    assert prompts == bench.stdlib_prompts(small_tokenizer, "eval", 6, 24, seed=3)  # seeded
+    files = [small_tokenizer.backend_tokenizer.encode(read_source(f), add_special_tokens=False).ids
+             for f in stdlib_files("eval")]
+
+    def inside(window, ids):
+        return any(ids[i: i + len(window)] == window for i in range(len(ids) - len(window) + 1))
+
+    assert all(any(inside(p, ids) for ids in files) for p in prompts)
+    drafter = bench.stdlib_prompts(small_tokenizer, "drafter", 2, 24, seed=3)
+    assert not any(inside(drafter[0], ids) for ids in files)  # another split's files
+    with pytest.raises(ValueError, match="too few files"):
+        bench.stdlib_prompts(small_tokenizer, "eval", 2, 10**6, seed=3)
+
+
+def test_bench_gpu_fits_and_times_on_the_stdlib_with_an_embedded_build(tmp_path):
+    """scripts/bench_gpu.py's realistic settings (gpu_check.sh --realistic) through its CPU dry run: the drafter is
+    fitted on the verifier's continuations of drafter-split windows, timed on eval-split windows, tokens exact."""
+    from tests.utils import script_module
+
+    folder = tmp_path / "v"
+    _cli("build", "--recipe-json", _toy_json(), "--out", str(folder))
+    bench = script_module("bench_gpu")
+    argv = ["--device", "cpu", "--dry-run", "--embedded", str(folder), "--skip-1b", "--fit-data", "stdlib",
+            "--prompt-source", "stdlib", "--fit-batch", "4", "--out", str(tmp_path / "report")]
+    assert bench.main(argv) == 0
+    [report] = (tmp_path / "report").glob("gpu-*.json")
+    res = json.loads(report.read_text())["verifiers"]["embedded"]
+    assert res["fit"]["fit_data"] == "stdlib drafter split" and res["fit"]["fit_batch"] == 4
+    assert all(v["identical"] for v in res["exactness_fp32"].values())
+    assert res["timing"]["spec_fused"]["tau"] >= 1
