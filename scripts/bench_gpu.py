@@ -92,22 +92,25 @@ def embedded(path: str | None, device) -> tuple[Verifier | None, object, str]:
 
 
 def stdlib_prompts(tokenizer, split: str, n: int, length: int, seed: int) -> list[list[int]]:
-    """`n` prompts of `length` tokens cut from the stdlib's `split` files (draftheads.data.stdlib), each from a seeded
-    random place in its own file (files in a seeded order, taken again when there are fewer than n long enough)."""
+    """`n` prompts of `length` tokens cut from the stdlib's `split` files (draftheads.data.stdlib): the files in a
+    seeded order, taken round after round (several windows a file when n is larger than the split), each window
+    from a seeded random place in its file."""
     from draftheads.data.stdlib import read_source, stdlib_files
 
     gen = torch.Generator().manual_seed(seed)
     files = stdlib_files(split)
     order = torch.randperm(len(files), generator=gen).tolist()
+    ids: dict[int, list[int]] = {}  # file index -> its tokens, read once
     out: list[list[int]] = []
-    for i in range(len(order) * 4):
+    for i in range(4 * max(n, len(order))):
         if len(out) == n:
             break
-        text = read_source(files[order[i % len(order)]])
-        ids = tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids  # no max-length warning
-        if len(ids) >= length:
-            start = int(torch.randint(0, len(ids) - length + 1, (1,), generator=gen))
-            out.append(ids[start: start + length])
+        f = order[i % len(order)]
+        if f not in ids:  # the backend's encode: no max-length warning for a long file
+            ids[f] = tokenizer.backend_tokenizer.encode(read_source(files[f]), add_special_tokens=False).ids
+        if len(ids[f]) >= length:
+            start = int(torch.randint(0, len(ids[f]) - length + 1, (1,), generator=gen))
+            out.append(ids[f][start: start + length])
     if len(out) < n:
         raise ValueError(f"the stdlib's {split!r} split has too few files of {length}+ tokens for {n} prompts")
     return out

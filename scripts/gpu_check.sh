@@ -13,7 +13,7 @@
 #                   (2026-12-04 on an H200: 274 s, the machine's start not counted)
 #   realistic:      bash scripts/gpu_check.sh --realistic  # carry [".whl"], timeout_s 600: no tests; builds the
 #                   100.7M-parameter code-100m verifier on the GPU (models/tiny/recipe.py, GPU_VERIFIER_BUILD_S,
-#                   default 300) and runs the decode benchmark on it alone, its EAGLE drafter fitted on 256
+#                   default 300) and runs the decode benchmark on it alone, its EAGLE drafter fitted on 1,024
 #                   self-distilled rows of the stdlib's drafter split and timed on held-out eval-split prompts
 #   its smoke:      PYTHON=.venv/bin/python bash scripts/gpu_check.sh --realistic-dry-run   # CPU: 3 build steps
 #
@@ -89,7 +89,7 @@ if [ "$MODE" = "--realistic" ] || [ "$MODE" = "--realistic-dry-run" ]; then
   left=$(( 560 - (SECONDS - start) ))
   echo "[gpu_check] benchmark on code-100m with ${left}s left"
   timeout "$left" "$PY" scripts/bench_gpu.py "${BENCH_ARGS[@]}" --embedded "$REAL" --skip-1b --fit-data stdlib \
-    --fit-sequences 256 --fit-seq-len 272 --fit-batch 16 --fit-steps 600 --prompt-source stdlib --prompts 8 \
+    --fit-sequences 1024 --fit-seq-len 272 --fit-batch 16 --fit-steps 800 --prompt-source stdlib --prompts 8 \
     --prompt-len 128 --budget-s $(( left - 60 )) 2>&1 | tee "$LOG/bench.log"
   bench_rc=${PIPESTATUS[0]}
   outdir=docs/benchmarks; [ -n "$DRY" ] && outdir=runs/bench
