@@ -78,7 +78,7 @@ if [ "$MODE" = "--realistic" ] || [ "$MODE" = "--realistic-dry-run" ]; then
   fi
   echo "[gpu_check] building code-100m on $DEVICE into $REAL (at most ${GPU_VERIFIER_BUILD_S:-300}s)"
   timeout "${GPU_VERIFIER_BUILD_S:-300}" "$PY" -m draftheads.models.tiny build --recipe code-100m --out "$REAL" \
-    --device "$DEVICE" "${SETS[@]}" > "$LOG/code-100m-build.log" 2>&1
+    --device "$DEVICE" ${SETS[@]+"${SETS[@]}"} > "$LOG/code-100m-build.log" 2>&1
   build_rc=$?
   tail -5 "$LOG/code-100m-build.log"
   [ -f "$REAL/draftheads_build.json" ] && cp "$REAL/draftheads_build.json" "$LOG/code-100m-build.json"
@@ -93,7 +93,8 @@ if [ "$MODE" = "--realistic" ] || [ "$MODE" = "--realistic-dry-run" ]; then
     --prompt-len 128 --budget-s $(( left - 60 )) 2>&1 | tee "$LOG/bench.log"
   bench_rc=${PIPESTATUS[0]}
   outdir=docs/benchmarks; [ -n "$DRY" ] && outdir=runs/bench
-  newest=$(ls -t "$outdir"/gpu-*.json 2>/dev/null | head -1)
+  # this run's report only: a checkout's older reports are not newer than this run's versions.txt
+  newest=$(find "$outdir" -maxdepth 1 -name 'gpu-*.json' -newer "$LOG/versions.txt" 2>/dev/null | sort | tail -1)
   if [ -n "$newest" ] && [ -n "${OUT:-}" ]; then cp "$newest" "${newest%.json}.md" "$OUT/"; fi
   echo "[gpu_check] device=$DEVICE realistic bench_rc=$bench_rc report=${newest:-none} elapsed=$((SECONDS - start))s"
   exit "$bench_rc"
