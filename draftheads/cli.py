@@ -31,7 +31,7 @@ VERBS: dict[str, tuple[str, str | None]] = {
     "regenerate": ("self-distillation data: the verifier rewrites a source's answers", "draftheads.train.regenerate"),
     "dump-features": ("fill an offline hidden-state cache for a training run", "draftheads.train.dump_features"),
     "cache": ("check a hidden-state cache: `draftheads cache verify DIR`", "draftheads.data.hidden_states"),
-    "build-verifier": ("build the embedded default verifier (tiny-code, tiny-micro) into the cache", None),
+    "build-verifier": ("build an embedded verifier (tiny-code, tiny-micro; code-100m on a GPU)", None),
 }
 TRAINERS = ("medusa", "eagle", "dflash", "mtp")
 

@@ -3,13 +3,16 @@
     python scripts/bench_gpu.py --device cuda                       # what scripts/gpu_check.sh runs (< 8 minutes)
     python scripts/bench_gpu.py --device cpu --dry-run              # tiny shapes: everything up to the CUDA calls
 
-Verifiers: the embedded one (`--embedded`, a built folder such as `$DRAFTHEADS_HOME/micro`; skipped when absent) and
-a randomly initialised Llama-shaped ~1B one (hidden 2048, 16 layers, 32 heads / 8 KV heads, MLP 5632, vocab
-32000, bf16; `--init-std` makes its next-token distributions peaked, so greedy continuations are stable).
+Verifiers: the embedded one (`--embedded`, a built folder such as `$DRAFTHEADS_HOME/tiny-micro` or the code-100m
+build of `gpu_check.sh --realistic`; skipped when absent) and a randomly initialised Llama-shaped ~1B one (hidden
+2048, 16 layers, 32 heads / 8 KV heads, MLP 5632, vocab 32000, bf16; `--init-std` makes its next-token distributions
+peaked, so greedy continuations are stable).
 
 Drafter: EAGLE (`--eagle-version`, a chain of `--chain` tokens), built from models/eagle/ and briefly fitted
-(`--fit-steps` AdamW steps of its own training loss) on the verifier's greedy continuations of random prompts
-(self-distillation). Random weights would accept almost nothing; tau is measured from the decode stats, never
+(`--fit-steps` AdamW steps of its own training loss) on the verifier's greedy continuations of prompts
+(self-distillation): random ids, or with `--fit-data stdlib` windows of the stdlib's `drafter` split (an embedded
+verifier never trained on them). Timed prompts: four fixed code prompts, or with `--prompt-source stdlib` windows of
+the held-out `eval` split. Random weights would accept almost nothing; tau is measured from the decode stats, never
 assumed. Where this build's engine has no `eagle` method yet, a draft model stands in (reported as such).
 
 Per verifier:

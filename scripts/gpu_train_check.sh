@@ -20,7 +20,8 @@
 #                                                    #   ".cache-gpu/selfdistill.jsonl"]; GPU_TRAIN_BUDGET_S seconds
 #                                                    #   (default 240) for everything but the install
 #   the pair alone: GPU_TRAIN_STEPS=N bash scripts/gpu_train_check.sh   # no smoke; N steps each (N >= 4)
-#   scale alone:  GPU_SCALE_ONLY=1 GPU_SCALE_S=300 bash scripts/gpu_train_check.sh   # carry [".whl-train"]; stage 3
+#   scale alone:  GPU_SCALE_ONLY=1 GPU_SCALE_S=240 bash scripts/gpu_train_check.sh   # carry [".whl-train"]; stage 3
+#                                                  # only (over GPU_TRAIN_STEPS); timeout_s 330
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-run}
@@ -99,7 +100,7 @@ trainer() {  # trainer LABEL NAME STEPS WARMUP [overrides...]: one run into $RUN
 }
 
 smoke_rc=0
-if [ -n "${GPU_SCALE_ONLY:-}" ]; then  # stage 3 alone: no smoke, no budget runs
+if [ "${GPU_SCALE_ONLY:-0}" != 0 ]; then  # stage 3 alone: no smoke, no budget runs
   steps=0
 elif [ -n "${GPU_TRAIN_STEPS:-}" ]; then  # the budget runs alone, at this many steps (a rerun on other data)
   steps=$GPU_TRAIN_STEPS
@@ -179,7 +180,7 @@ if [ "${steps:-0}" -ge 4 ]; then
       budget_rc=1
     fi
   done
-elif [ -z "${GPU_SCALE_ONLY:-}" ]; then
+elif [ "${GPU_SCALE_ONLY:-0}" = 0 ]; then
   budget_rc=1
 fi
 pack
@@ -187,7 +188,7 @@ pack
 # 3. The scale bench: 8B shapes (random-weight stand-ins), bf16, offline features, the seq ladder while it fits; each
 # row is saved as it is measured, so a stage cut short by its time limit still returns the rows it finished.
 scale_rc=0
-if [ "${GPU_SCALE:-1}" != 0 ] || [ -n "${GPU_SCALE_ONLY:-}" ]; then
+if [ "${GPU_SCALE:-1}" != 0 ] || [ "${GPU_SCALE_ONLY:-0}" != 0 ]; then
   if [ "$MODE" = "--dry-run" ]; then
     scale=(--tiny --device cpu --threads 1 --seqs 64 128)
   else

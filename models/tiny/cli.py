@@ -7,6 +7,8 @@ import argparse
 import dataclasses
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 
 import torch
@@ -85,6 +87,7 @@ def recipe_overrides(recipe: Recipe, sets: list[str]) -> dict:
     """`--set FIELD=VALUE` pairs as overrides of `recipe`'s fields; VALUE is read as JSON (10, 1e-3, null, true),
     else kept as a string, and must have the field's type (ints for floats too; null where the field may be None)."""
     fields = {f.name: f for f in dataclasses.fields(Recipe)}
+    hints = typing.get_type_hints(Recipe)
     out = {}
     for item in sets:
         field, eq, raw = item.partition("=")
@@ -96,15 +99,20 @@ def recipe_overrides(recipe: Recipe, sets: list[str]) -> dict:
             value = json.loads(raw)
         except ValueError:
             value = raw
-        kind = str(fields[field].type)
-        current = getattr(recipe, field)
-        ok = ((value is None and "None" in kind)
-              or (kind.startswith("int") and type(value) is int)
-              or (kind == "float" and type(value) in (int, float))
-              or (kind == "bool" and type(value) is bool)
-              or (kind not in ("bool", "float") and not kind.startswith("int") and isinstance(value, str)))
+        hint = hints[field]
+        allowed = set(typing.get_args(hint)) if typing.get_origin(hint) in (typing.Union, types.UnionType) else {hint}
+        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        ok = ((value is None and type(None) in allowed)
+              or (int in allowed and type(value) is int)
+              or (float in allowed and type(value) in (int, float))
+              or (bool in allowed and type(value) is bool)
+              or (str in allowed and isinstance(value, str) and value != "")
+              or (choices is not None and value in choices))
         if not ok:
-            raise ValueError(f"--set {item!r}: field {field!r} takes {kind} (now {current!r}), not {value!r}")
+            kind = " or ".join(map(repr, choices)) if choices else " | ".join(
+                "None" if t is type(None) else t.__name__ for t in typing.get_args(hint) or (hint,))
+            raise ValueError(f"--set {item!r}: field {field!r} takes {kind} (now {getattr(recipe, field)!r}), "
+                             f"not {value!r}")
         out[field] = value
     return out
 
@@ -115,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "build":
         try:
             device = build_device(args.device)
+            if (args.sets or device.type != "cpu") and not args.out:
+                # the cache keeps each named recipe as it is, built on a CPU (the same bytes for a seed there)
+                raise ValueError(f"{'--set' if args.sets else '--device ' + args.device} builds something other "
+                                 "than the cached recipe: give --out DIR")
             if args.sets:
                 base = get_recipe(recipe)
                 recipe = get_recipe(base, **recipe_overrides(base, args.sets))

@@ -68,10 +68,11 @@ def native_bf16() -> bool:
 
 
 def compute_dtype(recipe: Recipe, device: str | torch.device = "cpu") -> torch.dtype:
-    """The build's low-precision dtype, chosen per machine: bf16 on a GPU and where the CPU has it natively
+    """The build's low-precision dtype, chosen per machine: bf16 where the GPU or CPU has it natively
     (autocast and Muon's orthogonalisation in bf16, torch's own choices), fp32 elsewhere (emulated bf16 is ~10x
     slower than fp32 there). `recipe.precision` "bf16" / "fp32" forces it."""
-    native = torch.device(device).type != "cpu" or native_bf16()
+    device = torch.device(device)
+    native = (torch.cuda.is_bf16_supported(including_emulation=False) if device.type == "cuda" else native_bf16())
     if recipe.precision == "bf16" or (recipe.precision == "auto" and native):
         return torch.bfloat16
     return torch.float32

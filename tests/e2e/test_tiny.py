@@ -156,10 +156,15 @@ def test_assistant_mask_is_exactly_the_assistant_content_and_its_end_token(small
     assert unmasked.count("<|im_start|>assistant\n") == 3 and "welcome" not in unmasked
 
 
+def _pythonpath() -> str:
+    """The checkout first, then what the caller had (the carried wheels' site on a lent GPU)."""
+    return os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+
+
 # ---- builds (slow) -----------------------------------------------------------------------------------------------------
 def _cli(*args: str, home: Path | None = None, quiet: bool = True) -> subprocess.CompletedProcess:
     """`python -m draftheads.models.tiny ...` in a child process, as users (and `ensure_built`) run it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "DRAFTHEADS_QUIET": "1" if quiet else "0"}
+    env = {**os.environ, "PYTHONPATH": _pythonpath(), "HF_HUB_OFFLINE": "1", "DRAFTHEADS_QUIET": "1" if quiet else "0"}
     if home is not None:
         env["DRAFTHEADS_HOME"] = str(home)
     proc = subprocess.run([sys.executable, "-m", "draftheads.models.tiny", *args], cwd=ROOT, env=env, capture_output=True,
@@ -268,7 +273,7 @@ def test_ensure_built_uses_the_home_builds_once_and_rebuilds_a_changed_recipe(tm
 def test_concurrent_ensure_built_builds_once(tmp_path):
     """Two processes ask at once: one builds, the other waits and finds the finished folder."""
     code = "import sys, json; from draftheads.models import tiny; print(tiny.ensure_built(tiny.Recipe(**json.loads(sys.argv[1]))))"
-    env = {**os.environ, "DRAFTHEADS_HOME": str(tmp_path), "PYTHONPATH": str(ROOT), "DRAFTHEADS_QUIET": "0"}
+    env = {**os.environ, "DRAFTHEADS_HOME": str(tmp_path), "PYTHONPATH": _pythonpath(), "DRAFTHEADS_QUIET": "0"}
     procs = [subprocess.Popen([sys.executable, "-c", code, _toy_json()], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
@@ -317,6 +322,7 @@ def test_stdlib_prompts_are_windows_of_the_split_files(small_tokenizer):
     prompts = bench.stdlib_prompts(small_tokenizer, "eval", 6, 24, seed=3)
     assert len(prompts) == 6 and all(len(p) == 24 for p in prompts)
     assert prompts == bench.stdlib_prompts(small_tokenizer, "eval", 6, 24, seed=3)  # seeded
+    assert prompts != bench.stdlib_prompts(small_tokenizer, "eval", 6, 24, seed=4)
     files = [small_tokenizer.backend_tokenizer.encode(read_source(f), add_special_tokens=False).ids
              for f in stdlib_files("eval")]
 
@@ -345,4 +351,4 @@ def test_bench_gpu_fits_and_times_on_the_stdlib_with_an_embedded_build(tmp_path)
     res = json.loads(report.read_text())["verifiers"]["embedded"]
     assert res["fit"]["fit_data"] == "stdlib drafter split" and res["fit"]["fit_batch"] == 4
     assert all(v["identical"] for v in res["exactness_fp32"].values())
-    assert res["timing"]["spec_fused"]["tau"] >= 1
+    assert set(res["timing"]) == {"hf_generate", "autoregressive", "autoregressive_fused", "spec", "spec_fused"}

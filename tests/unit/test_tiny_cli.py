@@ -26,7 +26,10 @@ def test_set_reads_json_values_of_the_fields_type():
     ("steps=null", "field 'steps' takes int"),
     ("lr=fast", "field 'lr' takes float"),
     ("scaled_residual_init=1", "field 'scaled_residual_init' takes bool"),
-    ("precision=3", "field 'precision' takes Precision"),
+    ("precision=3", "field 'precision' takes 'auto' or 'bf16' or 'fp32' (now 'auto'), not 3"),
+    ("optimizer=sgd", "field 'optimizer' takes 'adamw' or 'muon'"),
+    ("tokenizer_files=all", "field 'tokenizer_files' takes int | None"),
+    ("name=", "field 'name' takes str"),
 ])
 def test_set_refuses_a_wrong_field_or_value_naming_both(item, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -44,9 +47,11 @@ def test_build_device_takes_cpu_and_refuses_what_torch_cannot_train_on():
             build_device("cuda")
 
 
-def test_a_gpu_build_autocasts_in_bf16_unless_the_recipe_says_fp32():
+def test_the_build_autocasts_in_bf16_where_the_device_has_it_unless_the_recipe_says_fp32():
     r = tiny.get_recipe("micro")
-    assert compute_dtype(r, "cuda") == torch.bfloat16
+    gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    assert compute_dtype(r, "cuda") == (torch.bfloat16 if gpu_bf16 else torch.float32)
+    assert compute_dtype(tiny.get_recipe("micro", precision="bf16"), "cuda") == torch.bfloat16
     assert compute_dtype(tiny.get_recipe("micro", precision="fp32"), "cuda") == torch.float32
 
 
@@ -61,6 +66,14 @@ def test_cli_says_one_line_and_builds_nothing(tmp_path, capsys, argv, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_a_changed_recipe_never_lands_in_the_cache(tmp_path, capsys):
+    """The cache holds each named recipe as it is (CPU-built, the same bytes for a seed): --set needs --out."""
+    assert main(["build", "--recipe", "micro", "--home", str(tmp_path), "--set", "steps=30"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --set builds something other than the cached recipe: give --out DIR\n"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_code_100m_is_a_100m_llama_with_gqa():
