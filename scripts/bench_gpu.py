@@ -436,7 +436,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=400.0, help="stop starting new work after this many seconds")
     args = ap.parse_args(argv)
-    for flag in ("fit_sequences", "fit_seq_len", "fit_batch", "prompts", "prompt_len"):
+    for flag in ("fit_sequences", "fit_batch", "prompts", "prompt_len"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: expected a positive integer")
     if args.fit_seq_len <= 16:

@@ -153,13 +153,13 @@ def _file_lock(path: Path):
 
 
 def ensure_built(recipe: str | Recipe = "default", home: str | Path | None = None, seed: int | None = None,
-                 force: bool = False, device: str = "cpu") -> Path:
+                 force: bool = False) -> Path:
     """The built folder `<home>/<recipe name>`, building it first if it is missing or from another recipe.
 
     Safe for concurrent callers (pytest workers, accelerate ranks): one builds under a file lock, the rest wait and
     then find it; nobody sees a half-written folder. `seed=None` accepts a cached build of any seed (a new build
     uses seed 0); `force` rebuilds regardless. The build runs in a child process (`draftheads build-verifier`),
-    so this process's torch thread settings are untouched. `device` is where a build trains (cpu, cuda[:N]).
+    so this process's torch thread settings are untouched.
     """
     r = get_recipe(recipe)
     folder = cache_home(home) / r.name
@@ -172,16 +172,16 @@ def ensure_built(recipe: str | Recipe = "default", home: str | Path | None = Non
             shutil.rmtree(stale, ignore_errors=True)  # left by a killed build; we hold the lock
         seed = 0 if seed is None else seed
         _log(f"building the embedded verifier {r.name!r} (seed {seed}) into {folder}; this happens once")
-        _build_in_child(r, folder, seed, device)
+        _build_in_child(r, folder, seed)
     return folder
 
 
-def _build_in_child(recipe: Recipe, out: Path, seed: int, device: str = "cpu") -> None:
+def _build_in_child(recipe: Recipe, out: Path, seed: int) -> None:
     # libgomp's worker threads spin while they wait; on a shared machine that made training ~6x slower (measured),
     # sleeping costs little on a quiet one. It only takes effect before torch is imported: in the child's env.
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     cmd = [sys.executable, "-m", "draftheads.models.tiny", "build", "--recipe-json", json.dumps(dataclasses.asdict(recipe)),
-           "--out", str(out), "--seed", str(seed), "--device", str(device)]
+           "--out", str(out), "--seed", str(seed)]
     quiet = _quiet()
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE if quiet else None, text=True)
     if proc.returncode != 0:

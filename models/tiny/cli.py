@@ -4,7 +4,6 @@ verifier."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import types
@@ -86,15 +85,14 @@ def parser() -> argparse.ArgumentParser:
 def recipe_overrides(recipe: Recipe, sets: list[str]) -> dict:
     """`--set FIELD=VALUE` pairs as overrides of `recipe`'s fields; VALUE is read as JSON (10, 1e-3, null, true),
     else kept as a string, and must have the field's type (ints for floats too; null where the field may be None)."""
-    fields = {f.name: f for f in dataclasses.fields(Recipe)}
-    hints = typing.get_type_hints(Recipe)
+    hints = typing.get_type_hints(Recipe)  # every field's type
     out = {}
     for item in sets:
         field, eq, raw = item.partition("=")
         if not eq or not field:
             raise ValueError(f"--set {item!r}: expected FIELD=VALUE, e.g. --set steps=10")
-        if field not in fields:
-            raise ValueError(f"--set {item!r}: no recipe field {field!r}; expected one of {sorted(fields)}")
+        if field not in hints:
+            raise ValueError(f"--set {item!r}: no recipe field {field!r}; expected one of {sorted(hints)}")
         try:
             value = json.loads(raw)
         except ValueError:
@@ -152,6 +150,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         folder = build(recipe, args.out, seed=args.seed or 0, device=device)
     else:
-        folder = ensure_built(recipe, home=args.home, seed=args.seed, force=args.force, device=str(device))
+        folder = ensure_built(recipe, home=args.home, seed=args.seed, force=args.force)  # on the CPU (see above)
     print(summary(folder))
     return 0
