@@ -554,12 +554,11 @@ def child(spec_path: str) -> int:
     meter.watch(*modules)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     # weights now, gradients and AdamW's two moments as the first step will make them (train.optimizer_state)
-    from scale_meter import tensor_bytes
+    from scale_meter import memory_split
 
     moment = {"float32": None, "bfloat16": 2}[cfg.train.optimizer_state]
     # on a GPU what the device holds (the verifier's embedding may stay in host memory: verifier_embedding)
-    expected = (tensor_bytes([t for m in modules for t in (*m.parameters(), *m.buffers())
-                                 if t.device.type == device.type])
+    expected = (memory_split(modules, [], device.type)["weights_bytes"]
                 + sum(p.numel() * (p.element_size() + 2 * (moment or p.element_size())) for p in trainable))
     extra = {"trainable_params": sum(p.numel() for p in trainable), "static_expected_bytes": expected,
              "tokens_per_step": cfg.data.seq_len}
